@@ -1,0 +1,249 @@
+"""Transport interfaces, the scheme registry, ``connect()`` and ``listen()``.
+
+A :class:`Comm` moves *messages* (see :mod:`shoal.protocol`) between two endpoints; how
+a message crosses is the comm's business: ``inproc://`` hands over the object itself,
+``tcp://`` sends frames. Every comm starts with a handshake that tells each side who the
+other is (protocol version, pid, host identity) and so which serialization destination
+applies: ``same-process``, ``same-host`` or ``remote``.
+
+Backends register by scheme with :func:`register_backend`; third-party ones are found
+through the ``shoal.comm.backends`` entry-point group.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from .. import config
+from ..errors import CommConnectError, HandshakeError
+from ..protocol import PROTOCOL_VERSION, REMOTE, SAME_HOST
+
+__all__ = [
+    "Comm",
+    "Listener",
+    "Backend",
+    "register_backend",
+    "get_backend",
+    "connect",
+    "listen",
+    "parse_address",
+    "local_info",
+    "Handler",
+]
+
+logger = logging.getLogger("shoal.comm")
+
+Handler = Callable[["Comm"], Awaitable[None]]
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+_HOST_ID = _host_identity()
+
+
+def local_info() -> dict[str, Any]:
+    """The handshake this process sends: protocol version, pid, host identity."""
+    return {"op": "handshake", "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "host": _HOST_ID}
+
+
+class Comm(abc.ABC):
+    """One end of a bidirectional message channel.
+
+    ``deserialize`` decides what a receiver gets for serialized values in a message:
+    the objects (``True``) or :class:`~shoal.protocol.Serialized` values to forward
+    untouched (``False``, what the scheduler uses).
+    """
+
+    local_address: str = ""
+    peer_address: str = ""
+    peer_info: dict[str, Any]
+    destination: str = REMOTE
+
+    def __init__(self, deserialize: bool = True):
+        self.deserialize = deserialize
+        self.peer_info = {}
+        self.name: str = ""
+
+    @abc.abstractmethod
+    async def read(self) -> Any:
+        """Return the next message.
+
+        Raises :class:`~shoal.errors.CommClosedError` if this side closed the comm,
+        :class:`~shoal.errors.CommBrokenError` if the peer closed or broke it,
+        :class:`~shoal.errors.ProtocolError` if the peer sent bytes that are not a
+        message (the comm is then aborted), and
+        :class:`~shoal.errors.DeserializationError` if a well-framed message holds a
+        value that cannot be deserialized here (the comm stays usable).
+        """
+
+    @abc.abstractmethod
+    async def write(self, msg: Any) -> int:
+        """Send one message; return the number of payload bytes sent.
+
+        Raises :class:`~shoal.errors.SerializationError` before sending anything if a
+        value cannot be serialized, :class:`~shoal.errors.CommClosedError` if this side
+        closed the comm, :class:`~shoal.errors.CommBrokenError` if the peer broke it.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close gracefully: queued outgoing data is sent first. Never raises."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close at once, dropping whatever is not yet sent. Never raises."""
+
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether this comm can no longer be used."""
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed() else "open"
+        return f"<{type(self).__name__} {self.name} {self.local_address} -> {self.peer_address} {state}>"
+
+
+class Listener(abc.ABC):
+    """Accepts connections and runs ``handler(comm)`` for each, after the handshake."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start listening. Raises ``OSError`` if the address cannot be bound."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop accepting connections. Comms already handed to the handler stay open."""
+
+    @property
+    @abc.abstractmethod
+    def listen_address(self) -> str:
+        """The address listened on, e.g. ``tcp://0.0.0.0:8786``."""
+
+    @property
+    @abc.abstractmethod
+    def contact_address(self) -> str:
+        """An address peers can connect to, e.g. ``tcp://127.0.0.1:8786``."""
+
+    async def __aenter__(self) -> Listener:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class Backend(abc.ABC):
+    """A transport: how to connect to and listen on addresses of one scheme."""
+
+    @abc.abstractmethod
+    async def connect(self, location: str, deserialize: bool, timeout: float) -> Comm:
+        """Return a connected comm whose handshake is done, or raise
+        :class:`~shoal.errors.CommConnectError` / :class:`~shoal.errors.HandshakeError`."""
+
+    @abc.abstractmethod
+    def listener(self, location: str, handler: Handler, deserialize: bool) -> Listener:
+        """Return an unstarted listener for ``location``."""
+
+
+_backends: dict[str, Backend] = {}
+_backends_lock = threading.Lock()
+
+
+def register_backend(scheme: str, backend: Backend) -> None:
+    """Make ``scheme://`` addresses use ``backend``."""
+    with _backends_lock:
+        _backends[scheme] = backend
+
+
+def get_backend(scheme: str) -> Backend:
+    """The backend for ``scheme``, loading ``shoal.comm.backends`` entry points if
+    needed. Raises ``ValueError`` for a scheme nobody provides."""
+    with _backends_lock:
+        backend = _backends.get(scheme)
+    if backend is not None:
+        return backend
+    for ep in entry_points(group="shoal.comm.backends"):
+        if ep.name == scheme:
+            obj = ep.load()
+            backend = obj() if isinstance(obj, type) else obj
+            register_backend(scheme, backend)
+            return backend
+    raise ValueError(f"unknown comm scheme {scheme!r}; known: {sorted(_backends)}")
+
+
+def parse_address(address: str) -> tuple[str, str]:
+    """``"tcp://host:port"`` -> ``("tcp", "host:port")``; no scheme means ``tcp``."""
+    if not isinstance(address, str):
+        raise TypeError(f"an address is a string, got {type(address).__name__}")
+    scheme, sep, location = address.partition("://")
+    if not sep:
+        return "tcp", address
+    return scheme, location
+
+
+async def connect(address: str, timeout: float | None = None, deserialize: bool = True) -> Comm:
+    """Connect to ``address`` and complete the handshake.
+
+    Retries refused connections until ``timeout`` (default: the ``connect-timeout``
+    setting). Raises :class:`~shoal.errors.CommConnectError` when it gives up and
+    :class:`~shoal.errors.HandshakeError` for an incompatible peer.
+    """
+    scheme, location = parse_address(address)
+    backend = get_backend(scheme)
+    timeout = config.get("connect-timeout") if timeout is None else timeout
+    return await backend.connect(location, deserialize, timeout)
+
+
+async def listen(address: str, handler: Handler, deserialize: bool = True) -> Listener:
+    """Listen on ``address`` (``tcp://127.0.0.1:0`` and ``inproc://`` pick a free one)
+    and run ``await handler(comm)`` for every connection, after its handshake.
+
+    Returns the started :class:`Listener`. Raises ``OSError`` if the address is taken.
+    """
+    scheme, location = parse_address(address)
+    listener = get_backend(scheme).listener(location, handler, deserialize)
+    await listener.start()
+    return listener
+
+
+def check_handshake(info: Any, peer: str) -> dict[str, Any]:
+    """Validate a peer's handshake message; raise :class:`HandshakeError` if unusable."""
+    if not isinstance(info, dict) or info.get("op") != "handshake":
+        raise HandshakeError(f"{peer} did not start with a shoal handshake (got {info!r:.100})")
+    version = info.get("protocol")
+    if version != PROTOCOL_VERSION:
+        raise HandshakeError(
+            f"{peer} speaks shoal protocol version {version!r}; this process speaks "
+            f"version {PROTOCOL_VERSION}"
+        )
+    return info
+
+
+def destination_for(info: dict[str, Any]) -> str:
+    """Serialization destination for a peer over a byte transport."""
+    return SAME_HOST if info.get("host") == _HOST_ID else REMOTE
+
+
+async def run_handler(handler: Handler, comm: Comm) -> None:
+    """Run a listener's handler; log what it raises and make sure the comm is closed."""
+    try:
+        await handler(comm)
+    except asyncio.CancelledError:
+        comm.abort()
+        raise
+    except Exception:
+        logger.exception("handler for %r failed", comm)
+        comm.abort()

@@ -1,0 +1,63 @@
+"""Process-wide settings, overridable by ``SHOAL_*`` environment variables.
+
+Values are read once at import and can be changed at run time with :func:`set`
+(tests and benchmarks use it as a context manager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+_DEFAULTS: dict[str, Any] = {
+    # tcp: messages whose buffers exceed this many bytes are (de)serialized in a thread pool
+    "offload-threshold": 1 << 20,
+    # tcp: a single frame larger than this is a protocol error
+    "max-frame-bytes": 1 << 36,
+    # tcp: more frames than this in one message is a protocol error
+    "max-frames": 1 << 20,
+    # frames at least this large are written with a zero-copy path
+    "large-frame-bytes": 1 << 20,
+    # seconds a connect() waits, including the handshake
+    "connect-timeout": 10.0,
+    # batched streams coalesce messages over this many seconds
+    "batched-interval": 0.002,
+    # connection pool limit (open comms) per pool
+    "pool-limit": 512,
+    # function cache entries
+    "function-cache-size": 1000,
+    # functions whose serialized form is larger than this are not cached
+    "function-cache-max-bytes": 100_000,
+}
+
+
+def _from_env(name: str, default: Any) -> Any:
+    raw = os.environ.get("SHOAL_" + name.upper().replace("-", "_"))
+    if raw is None:
+        return default
+    return type(default)(raw)
+
+
+_config: dict[str, Any] = {k: _from_env(k, v) for k, v in _DEFAULTS.items()}
+
+
+def get(name: str) -> Any:
+    """Return the current value of setting ``name`` (raises ``KeyError`` if unknown)."""
+    return _config[name]
+
+
+@contextlib.contextmanager
+def set(**values: Any) -> Iterator[None]:
+    """Change settings (``offload_threshold=0`` sets ``offload-threshold``) for a block."""
+    changes = {k.replace("_", "-"): v for k, v in values.items()}
+    unknown = [k for k in changes if k not in _config]
+    if unknown:
+        raise KeyError(f"unknown shoal setting(s): {', '.join(unknown)}")
+    old = {k: _config[k] for k in changes}
+    _config.update(changes)
+    try:
+        yield
+    finally:
+        _config.update(old)

@@ -1,0 +1,87 @@
+"""shoal's one error hierarchy.
+
+::
+
+    ShoalError
+    ├── CommError                  a transport failed
+    │   ├── CommClosedError        we closed this comm (or it was closed by our side)
+    │   ├── CommBrokenError        the peer or the network broke it
+    │   ├── CommConnectError       could not connect (refused, no listener, timed out)
+    │   ├── ProtocolError          the peer sent bytes that break the wire protocol
+    │   └── HandshakeError         the peer is not a compatible shoal endpoint
+    ├── SerializationError         a value cannot be serialized (raised before sending)
+    ├── DeserializationError       received bytes cannot be turned back into a value
+    └── RemoteError                a remote handler failed and its exception could not
+                                   be reconstructed as its own type
+
+Errors raised by a backend (``OSError``, ``msgpack`` exceptions, ...) are translated at
+the boundary into one of these, with the original kept as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShoalError",
+    "CommError",
+    "CommClosedError",
+    "CommBrokenError",
+    "CommConnectError",
+    "ProtocolError",
+    "HandshakeError",
+    "SerializationError",
+    "DeserializationError",
+    "RemoteError",
+]
+
+
+class ShoalError(Exception):
+    """Base class of every error shoal raises on its own account."""
+
+
+class CommError(ShoalError):
+    """A transport failed; the comm it happened on is unusable."""
+
+
+class CommClosedError(CommError):
+    """The comm was closed by our own side (``close()``/``abort()``) before or during use."""
+
+
+class CommBrokenError(CommError):
+    """The peer closed the connection or the network broke it."""
+
+
+class CommConnectError(CommError):
+    """No connection could be made (nothing listens there, refused, or timed out)."""
+
+
+class ProtocolError(CommError):
+    """The peer sent data that violates the wire protocol (garbage, oversized lengths...)."""
+
+
+class HandshakeError(CommError):
+    """The peer did not complete a compatible handshake (e.g. another protocol version)."""
+
+
+class SerializationError(ShoalError, TypeError):
+    """A value cannot be serialized for its destination.
+
+    The message names the value's type and where it sits in the message, for example
+    ``cannot serialize '_thread.lock' at args[1]['lock']``.
+    """
+
+
+class DeserializationError(ShoalError):
+    """Received bytes could not be turned back into a value (the cause is attached)."""
+
+
+class RemoteError(ShoalError):
+    """A remote call failed with an exception that could not be rebuilt locally.
+
+    ``remote_type`` names the remote exception's type and ``remote_traceback`` holds the
+    formatted traceback from the remote side.
+    """
+
+    def __init__(self, message: str, remote_type: str = "", remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback

@@ -1,0 +1,42 @@
+"""Wire protocol: messages, frames, serializer families, function cache. No asyncio."""
+
+from .core import dumps, loads, prepare, unwrap
+from .functions import clear_function_cache, dumps_function, function_cache_info, loads_function
+from .serialize import (
+    DESTINATIONS,
+    REMOTE,
+    SAME_HOST,
+    SAME_PROCESS,
+    Serialize,
+    Serialized,
+    deserialize,
+    register_serializer,
+    serialize,
+    sizeof,
+    to_serialize,
+)
+
+PROTOCOL_VERSION = 1
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "dumps",
+    "loads",
+    "prepare",
+    "unwrap",
+    "dumps_function",
+    "loads_function",
+    "function_cache_info",
+    "clear_function_cache",
+    "DESTINATIONS",
+    "REMOTE",
+    "SAME_HOST",
+    "SAME_PROCESS",
+    "Serialize",
+    "Serialized",
+    "deserialize",
+    "register_serializer",
+    "serialize",
+    "sizeof",
+    "to_serialize",
+]

@@ -1,0 +1,293 @@
+"""Messages to frames and back.
+
+A message is any nesting of dict/list/tuple/str/bytes/int/float/bool/None with
+:class:`Serialize` and :class:`Serialized` values anywhere inside. ``dumps`` turns it
+into a list of frames:
+
+- ``frames[0]``: the message as msgpack. Tuples travel as msgpack ext type 1 so they come
+  back as tuples; every value that goes out of band is replaced by ext type 2 holding its
+  index in the table.
+- ``frames[1]`` (only when there are out-of-band values): the table, msgpack
+  ``[[family, header, n_frames, opaque], ...]``.
+- ``frames[2:]``: every family's frames, in table order, never copied.
+
+``opaque`` entries (``to_serialize`` values and objects msgpack cannot carry) come back
+as :class:`Serialized` when the receiver does not deserialize; transparent entries
+(bytearray, memoryview, large bytes, big ints) always come back as the value.
+
+``dumps`` works in two steps so that a transport can run the costly one off its event
+loop: :func:`prepare` walks the message (cheap) and :meth:`Prepared.frames` runs the
+families' serializers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from ..errors import ProtocolError, SerializationError
+from .serialize import (
+    REMOTE,
+    Serialize,
+    Serialized,
+    _describe_failure,
+    _family_for,
+    deserialize as _deserialize,
+    sizeof,
+)
+
+__all__ = ["dumps", "loads", "prepare", "Prepared", "unwrap", "INLINE_BYTES_LIMIT"]
+
+EXT_TUPLE = 1
+EXT_OOB = 2
+# bytes values larger than this leave the header and travel as their own frame
+INLINE_BYTES_LIMIT = 1 << 16
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _default(obj: Any) -> Any:
+    if type(obj) is tuple:
+        return msgpack.ExtType(EXT_TUPLE, _pack(list(obj)))
+    raise TypeError(f"cannot pack {type(obj).__name__}")  # the walk makes this unreachable
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+
+
+class Prepared:
+    """A message walked for out-of-band values; :meth:`frames` serializes them."""
+
+    __slots__ = ("msg", "values", "paths_src")
+
+    def __init__(self, msg: Any, values: list[tuple[Any, bool]], paths_src: Any):
+        self.msg = msg
+        self.values = values  # (value, opaque)
+        self.paths_src = paths_src
+
+    @property
+    def nbytes(self) -> int:
+        """Estimated size of the out-of-band values."""
+        return sum(sizeof(v) for v, _ in self.values)
+
+    def frames(self, destination: str = REMOTE) -> list[Any]:
+        header = _pack(self.msg)
+        if not self.values:
+            return [header]
+        table: list[list[Any]] = []
+        frames: list[Any] = [header, b""]
+        for i, (value, opaque) in enumerate(self.values):
+            if isinstance(value, Serialized):
+                family, fheader, fframes = value.family, value.header, value.frames
+            else:
+                obj = value.data if isinstance(value, Serialize) else value
+                fam = _family_for(obj, destination)
+                try:
+                    fheader, fframes = fam.dumps(obj, destination)
+                except SerializationError:
+                    raise
+                except Exception as exc:
+                    raise _describe_failure(obj, exc, _path_of(self.paths_src, i)) from exc
+                family = fam.name
+            table.append([family, fheader, len(fframes), opaque])
+            frames.extend(fframes)
+        try:
+            frames[1] = _pack(table)
+        except TypeError as exc:
+            raise SerializationError(f"a serializer family returned a header msgpack cannot carry: {exc}") from exc
+        return frames
+
+
+def prepare(msg: Any) -> Prepared:
+    """Walk ``msg``, pulling out every value that travels out of band."""
+    values: list[tuple[Any, bool]] = []
+    return Prepared(_walk(msg, values), values, msg)
+
+
+def dumps(msg: Any, destination: str = REMOTE) -> list[Any]:
+    """Serialize a message into frames for ``destination``.
+
+    Raises :class:`SerializationError` (naming the value's type and its place in the
+    message) before anything is produced if some value cannot be serialized.
+    """
+    return prepare(msg).frames(destination)
+
+
+def _oob(value: Any, opaque: bool, values: list[tuple[Any, bool]]) -> msgpack.ExtType:
+    values.append((value, opaque))
+    return msgpack.ExtType(EXT_OOB, (len(values) - 1).to_bytes(4, "little"))
+
+
+def _walk(obj: Any, values: list[tuple[Any, bool]]) -> Any:
+    typ = type(obj)
+    if typ is str or typ is float or typ is bool or obj is None:
+        return obj
+    if typ is int:
+        return obj if _INT_MIN <= obj <= _INT_MAX else _oob(obj, False, values)
+    if typ is dict:
+        out = None
+        for k, v in obj.items():
+            v2 = _walk(v, values)
+            k2 = k if type(k) in _SCALARS and (type(k) is not int or _INT_MIN <= k <= _INT_MAX) else _walk(k, values)
+            if v2 is not v or k2 is not k:
+                if out is None:
+                    out = dict(obj)
+                if k2 is not k:
+                    del out[k]
+                out[k2] = v2
+        return obj if out is None else out
+    if typ is list or typ is tuple:
+        out_l = None
+        for i, v in enumerate(obj):
+            v2 = _walk(v, values)
+            if v2 is not v:
+                if out_l is None:
+                    out_l = list(obj)
+                out_l[i] = v2
+        if out_l is None:
+            return obj
+        return out_l if typ is list else tuple(out_l)
+    if typ is bytes:
+        return obj if len(obj) <= INLINE_BYTES_LIMIT else _oob(obj, False, values)
+    if typ is bytearray or typ is memoryview:
+        return _oob(obj, False, values)
+    if typ is Serialize or typ is Serialized:
+        return _oob(obj, True, values)
+    # anything msgpack cannot carry as it is travels through its serializer family
+    return _oob(obj, True, values)
+
+
+def _path_of(msg: Any, index: int) -> str:
+    """The place (``args[1]['lock']``) of the index-th out-of-band value of ``msg``."""
+    counter = [0]
+
+    def find(obj: Any, path: str) -> str | None:
+        typ = type(obj)
+        if typ is dict:
+            for k, v in obj.items():
+                if not (type(k) in _SCALARS):
+                    r = find(k, f"{path}<key {k!r}>")
+                    if r is not None:
+                        return r
+                r = find(v, _sub(path, k))
+                if r is not None:
+                    return r
+            return None
+        if typ is list or typ is tuple:
+            for i, v in enumerate(obj):
+                r = find(v, f"{path}[{i}]")
+                if r is not None:
+                    return r
+            return None
+        if typ in (str, float, bool, type(None)) or (typ is int and _INT_MIN <= obj <= _INT_MAX):
+            return None
+        if typ is bytes and len(obj) <= INLINE_BYTES_LIMIT:
+            return None
+        if counter[0] == index:
+            return path or "<message>"
+        counter[0] += 1
+        return None
+
+    return find(msg, "") or "<message>"
+
+
+def _sub(path: str, key: Any) -> str:
+    if not path and type(key) is str and key.isidentifier():
+        return key
+    return f"{path}[{key!r}]"
+
+
+def loads(frames: Sequence[Any], deserialize: bool = True) -> Any:
+    """Rebuild a message from frames.
+
+    With ``deserialize=False``, opaque values come back as :class:`Serialized` (to be
+    forwarded untouched). Raises :class:`ProtocolError` for frames that do not form a
+    message; exceptions of a family's ``loads`` propagate unchanged.
+    """
+    if not frames:
+        raise ProtocolError("a message needs at least one frame")
+    entries: list[Any] = []
+    if len(frames) > 1:
+        try:
+            table = msgpack.unpackb(frames[1], use_list=True, raw=False)
+        except Exception as exc:
+            raise ProtocolError(f"malformed out-of-band table: {exc}") from exc
+        if not isinstance(table, list):
+            raise ProtocolError("malformed out-of-band table: not a list")
+        pos = 2
+        for entry in table:
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 4
+                or not isinstance(entry[0], str)
+                or not isinstance(entry[2], int)
+                or entry[2] < 0
+            ):
+                raise ProtocolError(f"malformed out-of-band table entry: {entry!r:.200}")
+            family, fheader, n, opaque = entry
+            if pos + n > len(frames):
+                raise ProtocolError("out-of-band table names more frames than were sent")
+            s = Serialized(family, fheader if isinstance(fheader, dict) else {}, frames[pos : pos + n])
+            pos += n
+            entries.append(_deserialize(s) if (deserialize or not opaque) else s)
+        if pos != len(frames):
+            raise ProtocolError(f"{len(frames) - pos} frame(s) not named by the out-of-band table")
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            return tuple(_unpack(data, ext_hook))
+        if code == EXT_OOB:
+            i = int.from_bytes(data, "little")
+            if i >= len(entries):
+                raise ProtocolError(f"reference to out-of-band value {i} of {len(entries)}")
+            return entries[i]
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+
+    try:
+        return _unpack(frames[0], ext_hook)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed message header: {type(exc).__name__}: {exc}") from exc
+
+
+def _unpack(data: Any, ext_hook: Any) -> Any:
+    return msgpack.unpackb(data, ext_hook=ext_hook, strict_map_key=False, raw=False, use_list=True)
+
+
+def unwrap(msg: Any) -> Any:
+    """Replace :class:`Serialize` values by their objects and :class:`Serialized` values
+    by their deserialized objects; returns ``msg`` itself when it holds neither.
+
+    In-process comms use this for receivers that deserialize: the message and every
+    object in it are the very objects that were written.
+    """
+    typ = type(msg)
+    if typ is Serialize:
+        return msg.data
+    if typ is Serialized:
+        return _deserialize(msg)
+    if typ is dict:
+        out = None
+        for k, v in msg.items():
+            v2 = unwrap(v)
+            if v2 is not v:
+                if out is None:
+                    out = dict(msg)
+                out[k] = v2
+        return msg if out is None else out
+    if typ is list or typ is tuple:
+        out_l = None
+        for i, v in enumerate(msg):
+            v2 = unwrap(v)
+            if v2 is not v:
+                if out_l is None:
+                    out_l = list(msg)
+                out_l[i] = v2
+        if out_l is None:
+            return msg
+        return out_l if typ is list else tuple(out_l)
+    return msg

@@ -1,0 +1,339 @@
+"""Serializer families, chosen per (value type, destination).
+
+A *family* turns one object into ``(header, frames)`` for a destination and back:
+
+- ``dumps(obj, destination) -> (header, frames)``: ``header`` is plain msgpack-able
+  data, ``frames`` a list of bytes-like objects sent out of band (never copied into a
+  header);
+- ``loads(header, frames) -> obj``.
+
+The destination is one of ``"same-process"``, ``"same-host"`` or ``"remote"``. Families
+are registered by type and looked up along the value's MRO, first for the destination at
+hand; the built-in ``pickle`` family (pickle protocol 5 with out-of-band buffers,
+cloudpickle for functions, lambdas and ``__main__`` objects) serves everything else.
+
+:class:`Serialize` marks a value to be serialized by the transport (``to_serialize``);
+:class:`Serialized` is a value that already is: a middle hop reads and forwards it
+without deserializing, and the final receiver gets the original object back.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+
+from ..errors import SerializationError
+
+__all__ = [
+    "SAME_PROCESS",
+    "SAME_HOST",
+    "REMOTE",
+    "DESTINATIONS",
+    "Serialize",
+    "Serialized",
+    "to_serialize",
+    "register_serializer",
+    "serialize",
+    "deserialize",
+    "pickle_dumps",
+    "pickle_loads",
+    "sizeof",
+]
+
+SAME_PROCESS = "same-process"
+SAME_HOST = "same-host"
+REMOTE = "remote"
+DESTINATIONS = (SAME_PROCESS, SAME_HOST, REMOTE)
+
+Header = dict[str, Any]
+Frames = list[Any]
+DumpsFn = Callable[[Any, str], tuple[Header, Frames]]
+LoadsFn = Callable[[Header, Sequence[Any]], Any]
+
+
+class Serialize:
+    """Wraps a value that the transport serializes for its destination.
+
+    Over an in-process comm nothing is serialized: the wrapper itself travels, and a
+    receiver that deserializes gets ``.data``.
+    """
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: Any):
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"<Serialize: {type(self.data).__name__}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Serialize) and other.data is self.data
+
+    def __hash__(self) -> int:
+        return id(self.data)
+
+
+def to_serialize(obj: Any) -> Serialize:
+    """Mark ``obj`` to be serialized by the transport that carries the message."""
+    return Serialize(obj)
+
+
+class Serialized:
+    """A value in serialized form: family name, family header and frames.
+
+    A process that receives one without deserializing (the scheduler) can forward it:
+    its frames cross the next hop untouched. ``deserialize(s)`` rebuilds the value.
+    """
+
+    __slots__ = ("family", "header", "frames")
+
+    def __init__(self, family: str, header: Header, frames: Sequence[Any]):
+        self.family = family
+        self.header = header
+        self.frames = list(frames)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(f).nbytes for f in self.frames)
+
+    def __repr__(self) -> str:
+        return f"<Serialized {self.family}: {len(self.frames)} frames, {self.nbytes} bytes>"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Serialized)
+            and self.family == other.family
+            and self.header == other.header
+            and len(self.frames) == len(other.frames)
+            and all(bytes(a) == bytes(b) for a, b in zip(self.frames, other.frames))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------- families
+
+
+class _Family:
+    __slots__ = ("name", "dumps", "loads")
+
+    def __init__(self, name: str, dumps: DumpsFn, loads: LoadsFn):
+        self.name = name
+        self.dumps = dumps
+        self.loads = loads
+
+
+_lock = threading.Lock()
+_families: dict[str, _Family] = {}
+_by_type: dict[tuple[type, str], _Family] = {}
+_lookup_cache: dict[tuple[type, str], _Family] = {}
+
+
+def register_serializer(
+    cls: type,
+    dumps: DumpsFn,
+    loads: LoadsFn,
+    destinations: Sequence[str] | None = None,
+    name: str | None = None,
+) -> None:
+    """Use ``dumps``/``loads`` for ``cls`` and its subclasses, for the given destinations.
+
+    ``destinations`` defaults to all three. ``name`` (default: the class's qualified
+    name) travels in the message so the receiver finds the same family; both ends must
+    register it. Raises ``ValueError`` for an unknown destination or a name already
+    taken by other functions.
+    """
+    dests = tuple(DESTINATIONS if destinations is None else destinations)
+    bad = [d for d in dests if d not in DESTINATIONS]
+    if bad:
+        raise ValueError(f"unknown destination(s) {bad}; expected some of {DESTINATIONS}")
+    name = name or f"{cls.__module__}.{cls.__qualname__}"
+    with _lock:
+        old = _families.get(name)
+        if old is not None and (old.dumps is not dumps or old.loads is not loads):
+            # re-registering the same name replaces it (e.g. a reloaded module)
+            for key, fam in list(_by_type.items()):
+                if fam is old:
+                    del _by_type[key]
+        family = _Family(name, dumps, loads)
+        _families[name] = family
+        for dest in dests:
+            _by_type[(cls, dest)] = family
+        _lookup_cache.clear()
+
+
+def _family_for(obj: Any, destination: str) -> _Family:
+    typ = type(obj)
+    key = (typ, destination)
+    fam = _lookup_cache.get(key)
+    if fam is None:
+        for base in typ.__mro__:
+            fam = _by_type.get((base, destination))
+            if fam is not None:
+                break
+        else:
+            fam = _families["pickle"]
+        _lookup_cache[key] = fam
+    return fam
+
+
+def serialize(obj: Any, destination: str = REMOTE) -> Serialized:
+    """Serialize ``obj`` for ``destination`` with its family.
+
+    Returns a :class:`Serialized`. Raises :class:`SerializationError` naming the type
+    (and, inside containers, the place) of the part that could not be serialized.
+    """
+    if isinstance(obj, Serialized):
+        return obj
+    if isinstance(obj, Serialize):
+        obj = obj.data
+    fam = _family_for(obj, destination)
+    try:
+        header, frames = fam.dumps(obj, destination)
+    except SerializationError:
+        raise
+    except Exception as exc:
+        raise _describe_failure(obj, exc, "") from exc
+    return Serialized(fam.name, header, frames)
+
+
+def deserialize(s: Serialized) -> Any:
+    """Rebuild the value of ``s``; raises whatever the family's ``loads`` raises."""
+    fam = _families.get(s.family)
+    if fam is None:
+        raise KeyError(
+            f"no serializer family named {s.family!r} is registered in this process"
+        )
+    return fam.loads(s.header, s.frames)
+
+
+def _describe_failure(obj: Any, exc: BaseException, path: str) -> SerializationError:
+    """Find the innermost part of ``obj`` that fails to pickle and name where it is."""
+    where, culprit = _find_unpicklable(obj, path, depth=0)
+    return SerializationError(
+        f"cannot serialize {_typename(culprit)!r} at {where or '<value>'}: "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any]:
+    if depth < 50:
+        items: list[tuple[str, Any]] = []
+        if type(obj) is dict:
+            items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        elif type(obj) in (list, tuple):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        for sub_path, value in items:
+            try:
+                cloudpickle.dumps(value, protocol=5, buffer_callback=lambda b: None)
+            except Exception:
+                return _find_unpicklable(value, sub_path, depth + 1)
+    return path, obj
+
+
+def _typename(obj: Any) -> str:
+    typ = type(obj)
+    return typ.__qualname__ if typ.__module__ == "builtins" else f"{typ.__module__}.{typ.__qualname__}"
+
+
+# ----------------------------------------------------------------- pickle (the default)
+
+
+def _needs_cloudpickle(data: bytes) -> bool:
+    return b"__main__" in data
+
+
+def pickle_dumps(obj: Any, buffer_callback: Callable[[Any], Any] | None = None) -> bytes:
+    """Pickle protocol 5; cloudpickle for what plain pickle cannot do by reference."""
+    buffers: list[Any] = []
+    try:
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        if not _needs_cloudpickle(data):
+            if buffer_callback is not None:
+                for b in buffers:
+                    buffer_callback(b)
+            elif buffers:
+                # no out-of-band sink: pickle again in-band
+                data = pickle.dumps(obj, protocol=5)
+            return data
+    except (pickle.PicklingError, AttributeError, TypeError):
+        # lambdas, closures, local classes: cloudpickle pickles them by value
+        pass
+    return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+
+
+def pickle_loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
+    return pickle.loads(data, buffers=buffers)
+
+
+def _pickle_family_dumps(obj: Any, destination: str) -> tuple[Header, Frames]:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle_dumps(obj, buffer_callback=buffers.append)
+    return {}, [data, *(b.raw() for b in buffers)]
+
+
+def _pickle_family_loads(header: Header, frames: Sequence[Any]) -> Any:
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+# ----------------------------------------------------------------- bytes-like values
+
+_BYTES_TYPES: dict[type, str] = {bytes: "bytes", bytearray: "bytearray", memoryview: "memoryview"}
+
+
+def _bytes_dumps(obj: Any, destination: str) -> tuple[Header, Frames]:
+    kind = _BYTES_TYPES.get(type(obj))
+    if kind is None:  # a subclass: pickle keeps its type
+        _, frames = _pickle_family_dumps(obj, destination)
+        return {"kind": "pickle"}, frames
+    if kind != "memoryview":
+        return {"kind": kind}, [obj]
+    mv = obj if obj.c_contiguous else memoryview(obj.tobytes()).cast(obj.format, obj.shape)
+    return {"kind": kind, "format": mv.format, "shape": list(mv.shape)}, [mv.cast("B")]
+
+
+def _bytes_loads(header: Header, frames: Sequence[Any]) -> Any:
+    kind = header["kind"]
+    if kind == "pickle":
+        return _pickle_family_loads(header, frames)
+    frame = frames[0]
+    if kind == "bytes":
+        return frame if type(frame) is bytes else bytes(frame)
+    if kind == "bytearray":
+        return frame if type(frame) is bytearray else bytearray(frame)
+    mv = memoryview(frame).cast("B")
+    fmt, shape = header["format"], tuple(header["shape"])
+    return mv if (fmt, shape) == ("B", (mv.nbytes,)) else mv.cast(fmt, shape)
+
+
+def sizeof(obj: Any) -> int:
+    """A cheap estimate of the bytes ``obj`` occupies, used to decide on offloading."""
+    if isinstance(obj, Serialize):
+        obj = obj.data
+    if isinstance(obj, Serialized):
+        return obj.nbytes
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, memoryview):
+        return obj.nbytes
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        size = sys.getsizeof(obj)
+    except TypeError:
+        return 64
+    if isinstance(obj, (list, tuple, set, dict)):
+        # a rough guess at the elements; exact sizing would cost as much as pickling
+        return size * 8
+    return size
+
+
+register_serializer(object, _pickle_family_dumps, _pickle_family_loads, name="pickle")
+for _t in _BYTES_TYPES:
+    register_serializer(_t, _bytes_dumps, _bytes_loads, name="bytes")

@@ -1,0 +1,18 @@
+"""Request/response servers, proxies, a connection pool and batched streams."""
+
+from .batched import BatchedSend
+from .core import Server, error_message, raise_error_message, request, result_of, send_recv
+from .pool import ConnectionPool, PooledRPC, rpc
+
+__all__ = [
+    "BatchedSend",
+    "ConnectionPool",
+    "PooledRPC",
+    "Server",
+    "error_message",
+    "raise_error_message",
+    "request",
+    "result_of",
+    "rpc",
+    "send_recv",
+]

@@ -1,0 +1,154 @@
+"""Connection pool and ``rpc(address).op(**kwargs)`` proxies."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import defaultdict
+from typing import Any
+
+from .. import config
+from ..comm import Comm, connect
+from ..errors import CommClosedError
+from .core import request, result_of
+
+__all__ = ["ConnectionPool", "rpc"]
+
+
+class ConnectionPool:
+    """Reusable comms per address, at most ``limit`` open at once.
+
+    ``await pool.connect(address)`` hands out an idle comm or opens one; give it back
+    with ``pool.reuse(address, comm)`` (or drop a broken one with ``comm.abort()`` and
+    ``pool.reuse``, which discards closed comms). ``pool(address).op(**kw)`` is the
+    convenient form.
+    """
+
+    def __init__(self, limit: int | None = None, deserialize: bool = True, timeout: float | None = None):
+        self.limit = config.get("pool-limit") if limit is None else limit
+        if self.limit < 1:
+            raise ValueError("a connection pool needs a limit of at least 1")
+        self.deserialize = deserialize
+        self.timeout = timeout
+        self.available: dict[str, set[Comm]] = defaultdict(set)
+        self.occupied: dict[str, set[Comm]] = defaultdict(set)
+        self._opening = 0
+        self._released: asyncio.Condition | None = None
+        self._closed = False
+
+    @property
+    def open(self) -> int:
+        return self._opening + sum(map(len, self.available.values())) + sum(map(len, self.occupied.values()))
+
+    def _condition(self) -> asyncio.Condition:
+        if self._released is None:
+            self._released = asyncio.Condition()
+        return self._released
+
+    async def connect(self, address: str, timeout: float | None = None) -> Comm:
+        """An open comm to ``address``; raises :class:`~shoal.errors.CommConnectError`."""
+        if self._closed:
+            raise CommClosedError("the connection pool is closed")
+        while True:
+            idle = self.available.get(address)
+            while idle:
+                comm = idle.pop()
+                if not comm.closed():
+                    self.occupied[address].add(comm)
+                    return comm
+            if self.open < self.limit:
+                break
+            if not self._close_one_idle():
+                cond = self._condition()
+                async with cond:
+                    await cond.wait()
+        self._opening += 1
+        try:
+            comm = await connect(address, timeout=self.timeout if timeout is None else timeout, deserialize=self.deserialize)
+        finally:
+            self._opening -= 1
+        if self._closed:
+            comm.abort()
+            raise CommClosedError("the connection pool is closed")
+        self.occupied[address].add(comm)
+        return comm
+
+    def _close_one_idle(self) -> bool:
+        for comms in self.available.values():
+            if comms:
+                comms.pop().abort()
+                return True
+        return False
+
+    def reuse(self, address: str, comm: Comm) -> None:
+        """Return a comm taken with :meth:`connect`."""
+        self.occupied[address].discard(comm)
+        if comm.closed() or self._closed:
+            comm.abort()
+        else:
+            self.available[address].add(comm)
+        cond = self._released
+        if cond is not None:
+            asyncio.ensure_future(_notify(cond))
+
+    def remove(self, address: str) -> None:
+        """Close every comm to ``address`` (e.g. when that peer is gone)."""
+        for comm in self.available.pop(address, set()) | self.occupied.pop(address, set()):
+            comm.abort()
+
+    async def close(self) -> None:
+        self._closed = True
+        for address in list(self.available) + list(self.occupied):
+            self.remove(address)
+
+    def __call__(self, address: str) -> PooledRPC:
+        return PooledRPC(self, address)
+
+
+async def _notify(cond: asyncio.Condition) -> None:
+    async with cond:
+        cond.notify()
+
+
+class PooledRPC:
+    """``await PooledRPC(pool, address).some_op(**kwargs)``: sends op ``some-op``."""
+
+    def __init__(self, pool: ConnectionPool, address: str):
+        self.pool = pool
+        self.address = address
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return functools.partial(self.call, name.replace("_", "-"))
+
+    async def call(self, op: str, **kwargs: Any) -> Any:
+        """Send ``op`` with ``kwargs``; return the result or raise the remote error."""
+        comm = await self.pool.connect(self.address)
+        try:
+            response = await request(comm, op, **kwargs)
+        except BaseException:
+            comm.abort()  # the exchange was cut short: the comm's state is unknown
+            raise
+        finally:
+            self.pool.reuse(self.address, comm)
+        return result_of(response)
+
+    async def close(self) -> None:
+        """Close the connections this proxy's pool holds to its address."""
+        self.pool.remove(self.address)
+
+    async def __aenter__(self) -> PooledRPC:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def rpc(address: str, deserialize: bool = True, timeout: float | None = None) -> PooledRPC:
+    """A proxy for calls to ``address``: ``async with rpc(addr) as r: await r.ping()``.
+
+    It owns a pool of one connection, closed by ``close()`` (or leaving the ``async
+    with``); share a :class:`ConnectionPool` for calls to many peers.
+    """
+    return PooledRPC(ConnectionPool(limit=1, deserialize=deserialize, timeout=timeout), address)

@@ -1,0 +1,31 @@
+import numpy as np
+import pytest
+
+from shoal.comm import connect, listen
+from shoal.protocol import to_serialize
+from shoal.rpc import Server, rpc
+
+ADDRESSES = ["inproc://", "tcp://127.0.0.1:0"]
+
+
+@pytest.mark.parametrize("address", ADDRESSES)
+async def test_rpc_echo_and_error(address):
+    def echo(comm, x):
+        return x
+
+    def fail(comm):
+        raise ZeroDivisionError("boom")
+
+    server = Server({"echo": echo, "fail": fail})
+    await server.listen(address)
+    try:
+        async with rpc(server.address) as r:
+            arr = np.arange(10)
+            out = await r.echo(x=to_serialize(arr))
+            assert np.array_equal(out, arr)
+            with pytest.raises(ZeroDivisionError, match="boom") as info:
+                await r.fail()
+            assert any("remote traceback" in n for n in info.value.__notes__)
+            assert await r.echo(x=(1, [2, (3,)])) == (1, [2, (3,)])
+    finally:
+        await server.close()

@@ -1,0 +1,29 @@
+"""Test setup: ``async def`` tests run on a fresh event loop with a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+ASYNC_TEST_TIMEOUT = 30.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    marker = pyfuncitem.get_closest_marker("async_timeout")
+    timeout = marker.args[0] if marker else ASYNC_TEST_TIMEOUT
+
+    async def run() -> None:
+        await asyncio.wait_for(pyfuncitem.obj(**args), timeout)
+
+    asyncio.run(run())
+    return True
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "async_timeout(seconds): deadline of an async test")
