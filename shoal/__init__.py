@@ -27,10 +27,23 @@ from .protocol import (
     to_serialize,
 )
 
+from .client import Client, Future, as_completed, wait
+from .deploy import LocalCluster
+from .errors import CancelledError, GraphError, KilledWorker, LostDataError
+
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "Client",
+    "Future",
+    "LocalCluster",
+    "as_completed",
+    "wait",
+    "CancelledError",
+    "GraphError",
+    "KilledWorker",
+    "LostDataError",
     "CommBrokenError",
     "CommClosedError",
     "CommConnectError",

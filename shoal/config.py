@@ -22,10 +22,14 @@ _DEFAULTS: dict[str, Any] = {
     "large-frame-bytes": 1 << 20,
     # seconds a connect() waits, including the handshake
     "connect-timeout": 10.0,
-    # batched streams coalesce messages over this many seconds
+    # batched streams coalesce messages over this many seconds once busy,
+    # i.e. after this many writes within one interval
     "batched-interval": 0.002,
+    "batched-burst": 8,
     # connection pool limit (open comms) per pool
     "pool-limit": 512,
+    # a task whose arguments are larger than this warns once, suggesting scatter (0: never)
+    "large-payload-bytes": 1_000_000,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

@@ -11,6 +11,10 @@
     │   └── HandshakeError         the peer is not a compatible shoal endpoint
     ├── SerializationError         a value cannot be serialized (raised before sending)
     ├── DeserializationError       received bytes cannot be turned back into a value
+    ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key)
+    ├── KilledWorker               a task was running on too many workers that died
+    ├── LostDataError              a value that cannot be recomputed was lost
+    ├── CancelledError             the future's task was cancelled
     └── RemoteError                a remote handler failed and its exception could not
                                    be reconstructed as its own type
 
@@ -31,6 +35,10 @@ __all__ = [
     "SerializationError",
     "DeserializationError",
     "RemoteError",
+    "GraphError",
+    "KilledWorker",
+    "LostDataError",
+    "CancelledError",
 ]
 
 
@@ -85,3 +93,19 @@ class RemoteError(ShoalError):
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+class GraphError(ShoalError, ValueError):
+    """A task graph is malformed: a cycle, a reference to an unknown key, a bad key."""
+
+
+class KilledWorker(ShoalError):
+    """A task was running on workers that died, too many times; it is not retried."""
+
+
+class LostDataError(ShoalError):
+    """A value placed on workers directly (``scatter``) was lost with its last worker."""
+
+
+class CancelledError(ShoalError):
+    """The task of this future was cancelled."""

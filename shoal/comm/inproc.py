@@ -99,20 +99,18 @@ class InprocComm(Comm):
         return unwrap(msg) if self.deserialize else msg
 
     async def write(self, msg: Any) -> int:
-        if self._closed:
-            raise CommClosedError(f"{self!r} was closed")
-        if self._broken or self._peer is None:
-            raise CommBrokenError(f"peer {self.peer_address} closed the connection")
-        self._peer._inbox.put(msg)
+        self.write_nowait(msg)
         return 0
 
     def write_nowait(self, msg: Any) -> None:
         """Hand ``msg`` to the peer without awaiting (same errors as :meth:`write`)."""
         if self._closed:
             raise CommClosedError(f"{self!r} was closed")
-        if self._broken or self._peer is None:
+        peer = self._peer
+        if self._broken or peer is None or peer._closed:
+            # a closed peer would never read it: say so instead of dropping it
             raise CommBrokenError(f"peer {self.peer_address} closed the connection")
-        self._peer._inbox.put(msg)
+        peer._inbox.put(msg)
 
     async def close(self) -> None:
         self.abort()
@@ -128,7 +126,8 @@ class InprocComm(Comm):
         self._inbox.put(_EOF)
 
     def closed(self) -> bool:
-        return self._closed
+        peer = self._peer
+        return self._closed or self._broken or (peer is not None and peer._closed)
 
 
 class InprocListener(Listener):

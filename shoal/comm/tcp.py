@@ -9,7 +9,11 @@ scratch buffer; a frame of 64 KiB or more is received straight into its own buff
 buffer the deserialized value will live in), so large frames are never copied in user
 space. Writing bypasses the transport's write buffer, which would copy what the kernel
 does not take at once: frames go to the socket with ``sendmsg`` (gathered, zero-copy)
-through a duplicate of the socket's descriptor, waiting for writability on the loop.
+through a duplicate of the socket's descriptor, waiting for writability on the loop. A
+write that finds no other write in progress is handed to the kernel at once, without a
+lock or a task switch (a small message as one buffer); only what the kernel does not
+take then waits, in order, behind the write lock. A small message that arrived whole is
+parsed in one step.
 
 Messages whose out-of-band buffers exceed ``offload-threshold`` bytes are serialized and
 deserialized in a small thread pool, so the event loop keeps serving other peers.
@@ -59,6 +63,9 @@ _DIRECT = 1 << 16  # blocks at least this large are received into their own buff
 _MAX_QUEUED = 64  # complete messages buffered before we stop reading the socket
 _IOV_MAX = 512
 _HANDSHAKE_TIMEOUT = 10.0
+_COALESCE = 1 << 12  # a one-frame message up to this size is sent as a single buffer
+_ONE_FRAME = struct.Struct("<QQ")  # the length prefix of a one-frame message
+_U64 = struct.Struct("<Q")
 
 _executor: ThreadPoolExecutor | None = None
 
@@ -96,6 +103,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.on_connection = on_connection
         self.comm: TCPComm | None = None
         self.transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
         self._start = 0
@@ -118,6 +126,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()
         if self.on_connection is not None:
             self.on_connection(self)
 
@@ -157,6 +166,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 if exc is not None:
                     err.__cause__ = exc
                 self.error = err
+                if partial:  # a truncated message is bad input: say so, not only to the reader
+                    peer = comm.peer_address if comm is not None else "?"
+                    logger.warning("connection from %s lost: %s", peer, err)
         if self.comm is not None:
             self.comm._on_lost()
         self._wake()
@@ -178,6 +190,13 @@ class _FrameProtocol(asyncio.BufferedProtocol):
 
     def _parse(self) -> None:
         while True:
+            if self._count < 0:  # between messages
+                avail = self._end - self._start
+                if not avail:
+                    self._start = self._end = 0
+                    return
+                if avail >= 16 and self._parse_whole():
+                    continue
             need = self._need()
             avail = self._end - self._start
             if need >= _DIRECT:
@@ -207,6 +226,40 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self._set_lengths(list(struct.unpack_from(f"<{self._count}Q", self._scratch, s)))
             else:
                 self._frame_done(self._scratch[s : s + need])
+
+    def _parse_whole(self) -> bool:
+        """Take a whole small message out of the scratch buffer in one step (the common
+        case). Returns False, consuming nothing, for anything else (a message not yet
+        complete, a large frame, an empty frame, invalid counts or lengths), which the
+        step-by-step parser then handles (and reports)."""
+        scratch, s, end = self._scratch, self._start, self._end
+        n = _U64.unpack_from(scratch, s)[0]
+        if n == 1:
+            size = _U64.unpack_from(scratch, s + 8)[0]
+            stop = s + 16 + size
+            if stop > end or size == 0 or size > self._max_frame:
+                return False
+            frames: list[Any] = [scratch[s + 16 : stop]]
+        else:
+            if n < 1 or n > self._max_frames:
+                return False
+            pos = s + 8 + 8 * n
+            if pos > end:
+                return False
+            lengths = struct.unpack_from(f"<{n}Q", scratch, s + 8)
+            stop = pos + sum(lengths)
+            if stop > end or max(lengths) > self._max_frame:
+                return False
+            frames = []
+            for size in lengths:
+                frames.append(scratch[pos : pos + size] if size else b"")
+                pos += size
+        if stop == end:
+            self._start = self._end = 0
+        else:
+            self._start = stop
+        self._deliver(frames)
+        return True
 
     def _block_done(self, block: Any) -> None:
         if self._lengths is None:
@@ -244,12 +297,16 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         while len(self._frames) < self._count and lengths[len(self._frames)] == 0:
             self._frames.append(b"")
         if len(self._frames) == self._count:
-            self.messages.append(self._frames)
+            frames = self._frames
             self._frames, self._lengths, self._count = [], None, -1
-            if len(self.messages) >= _MAX_QUEUED and not self.paused and self.transport:
-                self.paused = True
-                self.transport.pause_reading()
-            self._wake()
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        self.messages.append(frames)
+        if len(self.messages) >= _MAX_QUEUED and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
 
     def _fail(self, exc: ProtocolError) -> None:
         peer = self.comm.peer_address if self.comm else "?"
@@ -270,7 +327,9 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         while not self.messages:
             if self.error is not None:
                 raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
+            # the loop the transport runs on (get_running_loop() costs a getpid()
+            # system call per call on Python < 3.12)
+            self.waiter = (self._loop or asyncio.get_running_loop()).create_future()
             try:
                 await self.waiter
             finally:
@@ -307,6 +366,7 @@ class TCPComm(Comm):
             pass
         self._loop = asyncio.get_running_loop()
         self._write_lock = asyncio.Lock()
+        self._writers = 0  # writes that are sending or waiting for the lock
         self._writable: asyncio.Future[None] | None = None
         self._closed = False
         self._lost = False
@@ -315,6 +375,8 @@ class TCPComm(Comm):
 
     async def read(self) -> Any:
         if self._closed:
+            if isinstance(self._protocol.error, ProtocolError):
+                raise self._protocol.error  # we closed it because the peer broke the protocol
             raise CommClosedError(f"{self!r} was closed")
         frames = await self._protocol.next_frames()
         try:
@@ -344,13 +406,48 @@ class TCPComm(Comm):
             )
         else:
             frames = prepared.frames(self.destination)
-        lengths = [_nbytes(f) for f in frames]
-        header = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
-        buffers: list[Any] = [header, *frames]
-        async with self._write_lock:
+        if len(frames) == 1:
+            frame = frames[0]
+            size = _nbytes(frame)
+            head = _ONE_FRAME.pack(1, size)
+            # a small message goes out as one buffer (one cheap copy, a plain send)
+            buffers: list[Any] = [head + frame] if size <= _COALESCE else [head, frame]
+        else:
+            lengths = [_nbytes(f) for f in frames]
+            size = sum(lengths)
+            buffers = [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames]
+        sent = 0
+        if not self._writers and len(buffers) <= _IOV_MAX:
+            # nobody else is sending or waiting to: hand the message to the kernel now,
+            # without a lock or a task switch; only what it does not take waits below
             self._check_writable()
-            await self._send(buffers)
-        return sum(lengths)
+            try:
+                if len(buffers) == 1:
+                    sent = self._wsock.send(buffers[0])
+                    if sent == len(buffers[0]):
+                        return size
+                else:
+                    sent = self._wsock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.abort()
+                raise CommBrokenError(f"connection to {self.peer_address} broke: {exc}") from exc
+        views: deque[Any] = deque(buffers)
+        started = sent > 0
+        if started:
+            _advance(views, sent)
+            if not views:
+                return size
+        self._writers += 1
+        try:
+            async with self._write_lock:
+                if not started:
+                    self._check_writable()
+                await self._send(views, started)
+        finally:
+            self._writers -= 1
+        return size
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -361,10 +458,9 @@ class TCPComm(Comm):
                 raise CommBrokenError(str(err))
             raise CommBrokenError(f"connection to {self.peer_address} is broken")
 
-    async def _send(self, buffers: list[Any]) -> None:
+    async def _send(self, views: deque[Any], started: bool = False) -> None:
+        """Send ``views`` (consumed); ``started``: part of the message is already out."""
         sock = self._wsock
-        views: deque[Any] = deque(buffers)
-        started = False
         try:
             while views:
                 try:
@@ -373,17 +469,7 @@ class TCPComm(Comm):
                     await self._wait_writable()
                     continue
                 started = True
-                while sent:
-                    head = views[0]
-                    size = _nbytes(head)
-                    if sent >= size:
-                        views.popleft()
-                        sent -= size
-                    else:
-                        views[0] = memoryview(head).cast("B")[sent:]
-                        sent = 0
-                while views and _nbytes(views[0]) == 0:
-                    views.popleft()
+                _advance(views, sent)
         except OSError as exc:
             self.abort()
             raise CommBrokenError(f"connection to {self.peer_address} broke: {exc}") from exc
@@ -459,6 +545,21 @@ class TCPComm(Comm):
 
     def closed(self) -> bool:
         return self._closed or self._lost
+
+
+def _advance(views: deque[Any], sent: int) -> None:
+    """Drop the first ``sent`` bytes from ``views`` (and any empty buffers after them)."""
+    while sent:
+        head = views[0]
+        size = _nbytes(head)
+        if sent >= size:
+            views.popleft()
+            sent -= size
+        else:
+            views[0] = memoryview(head).cast("B")[sent:]
+            sent = 0
+    while views and _nbytes(views[0]) == 0:
+        views.popleft()
 
 
 def _first(views: deque[Any], n: int) -> Any:

@@ -22,6 +22,7 @@ families' serializers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import msgpack
 
 from ..errors import ProtocolError, SerializationError
 from .serialize import (
+    DESTINATIONS,
     REMOTE,
     Serialize,
     Serialized,
@@ -45,7 +47,6 @@ EXT_OOB = 2
 # bytes values larger than this leave the header and travel as their own frame
 INLINE_BYTES_LIMIT = 1 << 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-_SCALARS = (str, int, float, bool, type(None))
 
 
 def _default(obj: Any) -> Any:
@@ -54,8 +55,22 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot pack {type(obj).__name__}")  # the walk makes this unreachable
 
 
+_packers = threading.local()
+_PACKER_KEEP = 1 << 20  # a packer whose buffer grew beyond this is dropped, not kept
+
+
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+    # msgpack.packb builds a Packer (and mallocs its 256 KiB buffer) per call: reuse one
+    # per thread. A nested call (a tuple, from _default) finds none and makes its own.
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+    else:
+        _packers.packer = None
+    data = packer.pack(obj)
+    if len(data) <= _PACKER_KEEP:
+        _packers.packer = packer
+    return data
 
 
 class Prepared:
@@ -74,7 +89,15 @@ class Prepared:
         return sum(sizeof(v) for v, _ in self.values)
 
     def frames(self, destination: str = REMOTE) -> list[Any]:
-        header = _pack(self.msg)
+        """Serialize: ``[header, table, *family frames]``. Raises ``ValueError`` for an
+        unknown destination and :class:`SerializationError` for a value that cannot be
+        serialized, before returning anything."""
+        if destination not in DESTINATIONS:
+            raise ValueError(f"unknown destination {destination!r}; expected one of {DESTINATIONS}")
+        try:
+            header = _pack(self.msg)
+        except (TypeError, ValueError) as exc:  # e.g. a str with lone surrogates
+            raise SerializationError(f"cannot pack the message: {type(exc).__name__}: {exc}") from exc
         if not self.values:
             return [header]
         table: list[list[Any]] = []
@@ -121,28 +144,34 @@ def _oob(value: Any, opaque: bool, values: list[tuple[Any, bool]]) -> msgpack.Ex
     return msgpack.ExtType(EXT_OOB, (len(values) - 1).to_bytes(4, "little"))
 
 
-def _walk(obj: Any, values: list[tuple[Any, bool]]) -> Any:
+def _walk(obj: Any, values: list[tuple[Any, bool]], opaque: bool = True) -> Any:
     typ = type(obj)
     if typ is str or typ is float or typ is bool or obj is None:
         return obj
     if typ is int:
         return obj if _INT_MIN <= obj <= _INT_MAX else _oob(obj, False, values)
     if typ is dict:
-        out = None
-        for k, v in obj.items():
-            v2 = _walk(v, values)
-            k2 = k if type(k) in _SCALARS and (type(k) is not int or _INT_MIN <= k <= _INT_MAX) else _walk(k, values)
+        items = None
+        for i, (k, v) in enumerate(obj.items()):
+            # keys before values (the order _path_of counts in); keys are transparent:
+            # a receiver that does not deserialize still needs hashable keys
+            # (str keys and plain scalar values, the common case, inline)
+            k2 = k if type(k) is str else _walk(k, values, opaque=False)
+            tv = type(v)
+            v2 = (
+                v
+                if tv is str or tv is bool or v is None or tv is float or (tv is int and _INT_MIN <= v <= _INT_MAX)
+                else _walk(v, values, opaque)
+            )
             if v2 is not v or k2 is not k:
-                if out is None:
-                    out = dict(obj)
-                if k2 is not k:
-                    del out[k]
-                out[k2] = v2
-        return obj if out is None else out
+                if items is None:
+                    items = list(obj.items())
+                items[i] = (k2, v2)
+        return obj if items is None else dict(items)  # same key order as obj
     if typ is list or typ is tuple:
         out_l = None
         for i, v in enumerate(obj):
-            v2 = _walk(v, values)
+            v2 = _walk(v, values, opaque)
             if v2 is not v:
                 if out_l is None:
                     out_l = list(obj)
@@ -154,10 +183,9 @@ def _walk(obj: Any, values: list[tuple[Any, bool]]) -> Any:
         return obj if len(obj) <= INLINE_BYTES_LIMIT else _oob(obj, False, values)
     if typ is bytearray or typ is memoryview:
         return _oob(obj, False, values)
-    if typ is Serialize or typ is Serialized:
-        return _oob(obj, True, values)
-    # anything msgpack cannot carry as it is travels through its serializer family
-    return _oob(obj, True, values)
+    # Serialize/Serialized values and anything msgpack cannot carry as it is travel
+    # through their serializer family
+    return _oob(obj, opaque, values)
 
 
 def _path_of(msg: Any, index: int) -> str:
@@ -168,10 +196,9 @@ def _path_of(msg: Any, index: int) -> str:
         typ = type(obj)
         if typ is dict:
             for k, v in obj.items():
-                if not (type(k) in _SCALARS):
-                    r = find(k, f"{path}<key {k!r}>")
-                    if r is not None:
-                        return r
+                r = find(k, f"{path}<key {k!r}>")
+                if r is not None:
+                    return r
                 r = find(v, _sub(path, k))
                 if r is not None:
                     return r
@@ -212,7 +239,8 @@ def loads(frames: Sequence[Any], deserialize: bool = True) -> Any:
     entries: list[Any] = []
     if len(frames) > 1:
         try:
-            table = msgpack.unpackb(frames[1], use_list=True, raw=False)
+            # family headers may hold tuples (packed as EXT_TUPLE), e.g. a shape
+            table = msgpack.unpackb(frames[1], use_list=True, raw=False, ext_hook=_table_ext)
         except Exception as exc:
             raise ProtocolError(f"malformed out-of-band table: {exc}") from exc
         if not isinstance(table, list):
@@ -236,22 +264,44 @@ def loads(frames: Sequence[Any], deserialize: bool = True) -> Any:
         if pos != len(frames):
             raise ProtocolError(f"{len(frames) - pos} frame(s) not named by the out-of-band table")
 
-    def ext_hook(code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:
-            return tuple(_unpack(data, ext_hook))
-        if code == EXT_OOB:
-            i = int.from_bytes(data, "little")
-            if i >= len(entries):
-                raise ProtocolError(f"reference to out-of-band value {i} of {len(entries)}")
-            return entries[i]
-        raise ProtocolError(f"unknown msgpack extension type {code}")
-
     try:
-        return _unpack(frames[0], ext_hook)
+        return _unpack(frames[0], _ExtHook(entries) if entries else _NO_ENTRIES)
     except ProtocolError:
         raise
     except Exception as exc:
         raise ProtocolError(f"malformed message header: {type(exc).__name__}: {exc}") from exc
+
+
+class _ExtHook:
+    """Rebuilds tuples and out-of-band references while unpacking a header.
+
+    A class rather than a closure: a closure that passes itself to ``_unpack`` is a
+    reference cycle, which would keep every received value alive until the cyclic GC.
+    """
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries: list[Any]):
+        self.entries = entries
+
+    def __call__(self, code: int, data: bytes) -> Any:
+        if code == EXT_TUPLE:
+            return tuple(_unpack(data, self))
+        if code == EXT_OOB:
+            i = int.from_bytes(data, "little")
+            if i >= len(self.entries):
+                raise ProtocolError(f"reference to out-of-band value {i} of {len(self.entries)}")
+            return self.entries[i]
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+
+
+_NO_ENTRIES = _ExtHook([])  # shared by messages without out-of-band values (never mutated)
+
+
+def _table_ext(code: int, data: bytes) -> Any:
+    if code == EXT_TUPLE:
+        return tuple(_unpack(data, _table_ext))
+    raise ProtocolError(f"unexpected msgpack extension type {code} in the out-of-band table")
 
 
 def _unpack(data: Any, ext_hook: Any) -> Any:

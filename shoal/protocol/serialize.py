@@ -19,9 +19,11 @@ without deserializing, and the final receiver gets the original object back.
 
 from __future__ import annotations
 
+import io
 import pickle
 import sys
 import threading
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,6 +190,8 @@ def serialize(obj: Any, destination: str = REMOTE) -> Serialized:
     Returns a :class:`Serialized`. Raises :class:`SerializationError` naming the type
     (and, inside containers, the place) of the part that could not be serialized.
     """
+    if destination not in DESTINATIONS:
+        raise ValueError(f"unknown destination {destination!r}; expected one of {DESTINATIONS}")
     if isinstance(obj, Serialized):
         return obj
     if isinstance(obj, Serialize):
@@ -230,7 +234,7 @@ def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any]:
             items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
         for sub_path, value in items:
             try:
-                cloudpickle.dumps(value, protocol=5, buffer_callback=lambda b: None)
+                pickle_dumps(value, buffer_callback=lambda b: None)
             except Exception:
                 return _find_unpicklable(value, sub_path, depth + 1)
     return path, obj
@@ -264,7 +268,50 @@ def pickle_dumps(obj: Any, buffer_callback: Callable[[Any], Any] | None = None) 
     except (pickle.PicklingError, AttributeError, TypeError):
         # lambdas, closures, local classes: cloudpickle pickles them by value
         pass
-    return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+    out = io.BytesIO()
+    _CloudPickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return out.getvalue()
+
+
+def _reduce_memoryview(mv: memoryview) -> tuple[Any, tuple[Any, ...]]:
+    # cloudpickle turns a memoryview into bytes; keep its type, format and shape
+    problem = _memoryview_problem(mv)
+    if problem:
+        raise pickle.PicklingError(f"cannot pickle a memoryview: {problem}")
+    # a copy: a PickleBuffer exporting from a memoryview can crash CPython's cyclic GC
+    # (tp_clear of a memoryview that still has exports) when both become garbage
+    data = pickle.PickleBuffer(mv.tobytes())
+    return _rebuild_memoryview, (data, mv.format, list(mv.shape), mv.readonly)
+
+
+def _rebuild_memoryview(data: Any, fmt: str, shape: list[int], readonly: bool) -> memoryview:
+    mv = _cast_back(data, fmt, shape)
+    if readonly:
+        return mv.toreadonly()
+    return mv if not mv.readonly else _cast_back(bytearray(mv), fmt, shape)
+
+
+def _memoryview_problem(mv: memoryview) -> str | None:
+    """Why a receiver could not rebuild ``mv`` from its bytes with ``cast``, or None."""
+    try:
+        memoryview(b"").cast("B").cast(mv.format)
+    except (ValueError, TypeError):
+        return f"its format {mv.format!r} is not a native single-item format"
+    if mv.ndim > 1 and 0 in mv.shape:
+        return f"its shape {mv.shape} is empty along a dimension"
+    return None
+
+
+def _cast_back(data: Any, fmt: str, shape: Sequence[int]) -> memoryview:
+    """A memoryview of ``format``/``shape`` on the bytes of ``data`` (no copy)."""
+    mv = memoryview(data).cast("B")
+    if len(shape) == 1:  # also right for empty views, which cast(fmt, shape) refuses
+        return mv if fmt == "B" else mv.cast(fmt)
+    return mv.cast(fmt, list(shape))
+
+
+class _CloudPickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({memoryview: _reduce_memoryview}, cloudpickle.Pickler.dispatch_table)
 
 
 def pickle_loads(data: Any, buffers: Sequence[Any] = ()) -> Any:
@@ -293,8 +340,15 @@ def _bytes_dumps(obj: Any, destination: str) -> tuple[Header, Frames]:
         return {"kind": "pickle"}, frames
     if kind != "memoryview":
         return {"kind": kind}, [obj]
-    mv = obj if obj.c_contiguous else memoryview(obj.tobytes()).cast(obj.format, obj.shape)
-    return {"kind": kind, "format": mv.format, "shape": list(mv.shape)}, [mv.cast("B")]
+    problem = _memoryview_problem(obj)
+    if problem:
+        # refuse here rather than send what the receiver cannot rebuild
+        raise SerializationError(
+            f"cannot serialize a memoryview: {problem} (send the exporting object, "
+            "e.g. the numpy array, or mv.cast('B'))"
+        )
+    data = obj.cast("B") if obj.c_contiguous else memoryview(obj.tobytes())
+    return {"kind": kind, "format": obj.format, "shape": list(obj.shape)}, [data]
 
 
 def _bytes_loads(header: Header, frames: Sequence[Any]) -> Any:
@@ -306,9 +360,7 @@ def _bytes_loads(header: Header, frames: Sequence[Any]) -> Any:
         return frame if type(frame) is bytes else bytes(frame)
     if kind == "bytearray":
         return frame if type(frame) is bytearray else bytearray(frame)
-    mv = memoryview(frame).cast("B")
-    fmt, shape = header["format"], tuple(header["shape"])
-    return mv if (fmt, shape) == ("B", (mv.nbytes,)) else mv.cast(fmt, shape)
+    return _cast_back(frame, header["format"], header["shape"])
 
 
 def sizeof(obj: Any) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 from .. import config
@@ -18,13 +19,18 @@ logger = logging.getLogger("shoal.rpc.batched")
 class BatchedSend:
     """Send messages on ``comm`` in batches: each write carries a list of messages.
 
-    ``send(msg)`` never blocks; a background task writes what accumulated at most every
-    ``interval`` seconds (default: the ``batched-interval`` setting, 2 ms). The reader
-    receives lists. ``close()`` flushes what is pending, then closes the comm.
+    ``send(msg)`` never blocks. While the stream is quiet (fewer than ``burst``
+    writes in the last ``interval`` seconds; defaults: the ``batched-burst`` and
+    ``batched-interval`` settings, 8 and 2 ms) a message goes out at the next turn of
+    the event loop, together with whatever else was sent in the same turn. Under load,
+    messages are coalesced over the interval, so a busy stream pays a few writes per
+    interval, not one per message, and a quiet one adds no delay.
+    The reader receives lists. ``close()`` flushes what is pending, then closes the comm.
     """
 
-    def __init__(self, interval: float | None = None, name: str = ""):
+    def __init__(self, interval: float | None = None, name: str = "", burst: int | None = None):
         self.interval = config.get("batched-interval") if interval is None else interval
+        self.burst = config.get("batched-burst") if burst is None else burst
         self.name = name
         self.comm: Comm | None = None
         self.buffer: list[Any] = []
@@ -52,11 +58,17 @@ class BatchedSend:
 
     async def _run(self) -> None:
         assert self._wake is not None and self.comm is not None
+        loop = asyncio.get_running_loop()
+        recent: deque[float] = deque()
         try:
             while True:
                 await self._wake.wait()
-                if self.interval and not self._closing:
-                    await asyncio.sleep(self.interval)  # gather what arrives meanwhile
+                now = loop.time()
+                while recent and recent[0] <= now - self.interval:
+                    recent.popleft()
+                if len(recent) >= self.burst and not self._closing:
+                    # busy: gather what arrives until the interval has passed
+                    await asyncio.sleep(recent[0] + self.interval - now)
                 self._wake.clear()
                 if not self.buffer:
                     if self._closing:
@@ -65,6 +77,7 @@ class BatchedSend:
                 batch, self.buffer = self.buffer, []
                 self.message_count += len(batch)
                 self.batch_count += 1
+                recent.append(loop.time())
                 await self.comm.write(batch)
                 if self._closing and not self.buffer:
                     return
@@ -72,6 +85,12 @@ class BatchedSend:
             logger.info("batched stream %s stopped: %s", self.name, exc)
         except asyncio.CancelledError:
             pass
+        except Exception:
+            # e.g. a message that cannot be serialized: the batch is lost, so the peer
+            # must not think the stream is fine; later send() raise CommClosedError
+            logger.exception("batched stream %s: cannot send a batch; aborting the stream", self.name)
+            self._closing = True
+            self.comm.abort()
 
     async def close(self, timeout: float = 5.0) -> None:
         """Flush pending messages (waiting at most ``timeout``) and close the comm."""

@@ -36,6 +36,8 @@ logger = logging.getLogger("shoal.rpc")
 
 HandlerFn = Callable[..., Any]
 
+_PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict})
+
 
 def error_message(exc: BaseException, with_exception: bool = True) -> dict[str, Any]:
     """The response that carries ``exc`` (its type, text, traceback, and the object)."""
@@ -182,7 +184,8 @@ class Server:
             if not _accepts(handler, msg):
                 raise TypeError(f"bad arguments for op {op!r}: {exc}") from exc
             raise
-        if inspect.isawaitable(result):
+        # (plain results skip isawaitable's costly ABC check)
+        if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
             result = await result
         return result
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from .. import config
@@ -33,17 +33,21 @@ class ConnectionPool:
         self.available: dict[str, set[Comm]] = defaultdict(set)
         self.occupied: dict[str, set[Comm]] = defaultdict(set)
         self._opening = 0
-        self._released: asyncio.Condition | None = None
+        # callers waiting for a free slot, woken one at a time (first come, first served)
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
     @property
     def open(self) -> int:
         return self._opening + sum(map(len, self.available.values())) + sum(map(len, self.occupied.values()))
 
-    def _condition(self) -> asyncio.Condition:
-        if self._released is None:
-            self._released = asyncio.Condition()
-        return self._released
+    def _wake(self, n: int = 1) -> None:
+        """Let up to ``n`` waiting callers look again for a free slot."""
+        while n > 0 and self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                n -= 1
 
     async def connect(self, address: str, timeout: float | None = None) -> Comm:
         """An open comm to ``address``; raises :class:`~shoal.errors.CommConnectError`."""
@@ -59,12 +63,23 @@ class ConnectionPool:
             if self.open < self.limit:
                 break
             if not self._close_one_idle():
-                cond = self._condition()
-                async with cond:
-                    await cond.wait()
+                # registered without awaiting in between: no wake-up can be missed
+                fut = asyncio.get_running_loop().create_future()
+                self._waiters.append(fut)
+                try:
+                    await fut
+                except BaseException:
+                    if fut.done() and not fut.cancelled():
+                        self._wake()  # woken but cancelled: pass the turn on
+                    raise
+                if self._closed:
+                    raise CommClosedError("the connection pool is closed")
         self._opening += 1
         try:
             comm = await connect(address, timeout=self.timeout if timeout is None else timeout, deserialize=self.deserialize)
+        except BaseException:
+            self._wake()  # the slot we held is free again
+            raise
         finally:
             self._opening -= 1
         if self._closed:
@@ -87,27 +102,23 @@ class ConnectionPool:
             comm.abort()
         else:
             self.available[address].add(comm)
-        cond = self._released
-        if cond is not None:
-            asyncio.ensure_future(_notify(cond))
+        self._wake()
 
     def remove(self, address: str) -> None:
         """Close every comm to ``address`` (e.g. when that peer is gone)."""
-        for comm in self.available.pop(address, set()) | self.occupied.pop(address, set()):
+        comms = self.available.pop(address, set()) | self.occupied.pop(address, set())
+        for comm in comms:
             comm.abort()
+        self._wake(len(comms))
 
     async def close(self) -> None:
         self._closed = True
         for address in list(self.available) + list(self.occupied):
             self.remove(address)
+        self._wake(len(self._waiters))  # they raise CommClosedError
 
     def __call__(self, address: str) -> PooledRPC:
         return PooledRPC(self, address)
-
-
-async def _notify(cond: asyncio.Condition) -> None:
-    async with cond:
-        cond.notify()
 
 
 class PooledRPC:

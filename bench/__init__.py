@@ -1,0 +1,1 @@
+"""shoal's benchmark harness: ``python bench/run.py --help``."""

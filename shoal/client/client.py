@@ -1,0 +1,747 @@
+"""The client: submit work, hold futures, gather results.
+
+The client talks to the scheduler over one batched stream (graphs and releases go
+out, key-in-memory / task-erred notices come back) and fetches values straight from
+the workers that hold them. A synchronous client runs its event loop in a background
+thread; an asynchronous one (``asynchronous=True``) runs on the caller's loop and its
+methods return awaitables.
+
+Task payloads are built as objects (:class:`~shoal.taskspec.RunSpec`) and handed to
+the comm: over ``inproc://`` nothing is pickled at all; over ``tcp://`` the comm
+serializes them with the function cache. Keys are computed without pickling anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import uuid
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import config
+from .._loop import LoopThread
+from ..comm import Comm, connect
+from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
+from ..protocol import Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..rpc import BatchedSend, ConnectionPool, PooledRPC
+from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
+from . import graphs
+from .future import Future, FutureState
+
+__all__ = ["Client"]
+
+logger = logging.getLogger("shoal.client")
+
+_warned_large: set[str] = set()
+
+
+class Client:
+    """Connect to a cluster and run work on it.
+
+    ``address`` is a scheduler address or a ``LocalCluster``; with neither, the client
+    starts a ``LocalCluster`` of its own (``n_workers``, ``threads_per_worker``,
+    ``processes``) and closes it on :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        address: Any = None,
+        *,
+        n_workers: int | None = None,
+        threads_per_worker: int | None = None,
+        processes: bool = True,
+        asynchronous: bool = False,
+        timeout: float = 30.0,
+    ):
+        self.id = f"client-{uuid.uuid4().hex[:12]}"
+        self._address_arg = address
+        self._cluster_kwargs = {
+            "n_workers": n_workers, "threads_per_worker": threads_per_worker, "processes": processes,
+        }
+        self.asynchronous = asynchronous
+        self.timeout = timeout
+        self.cluster: Any = None
+        self._own_cluster = False
+        self.scheduler_address = ""
+        self.status = "created"
+        self._states: dict[Any, FutureState] = {}
+        self._refcount: Counter[Any] = Counter()
+        self._outbox: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stream: BatchedSend | None = None
+        self._comm: Comm | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pool: ConnectionPool | None = None
+        self._callbacks: ThreadPoolExecutor | None = None
+        self._loop_thread: LoopThread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._scatter_rr = itertools.count()
+        if not asynchronous:
+            self._loop_thread = LoopThread(name=f"shoal-{self.id}")
+            self.loop = self._loop_thread.loop
+            try:
+                self._loop_thread.run(self._start(), timeout=timeout + 30)
+            except BaseException:
+                self._loop_thread.run(self._close())
+                self._loop_thread.stop()
+                raise
+
+    # -- lifecycle
+
+    async def _start(self) -> Client:
+        if self.status == "running":
+            return self
+        self.loop = asyncio.get_running_loop()
+        address = self._address_arg
+        if address is None:
+            from ..deploy import LocalCluster
+
+            kwargs = {k: v for k, v in self._cluster_kwargs.items() if v is not None}
+            self.cluster = await LocalCluster(asynchronous=True, **kwargs)
+            self._own_cluster = True
+            address = self.cluster.scheduler_address
+        elif hasattr(address, "scheduler_address"):
+            self.cluster = address
+            address = getattr(address, "local_address", "") or address.scheduler_address
+        if self.cluster is not None and getattr(self.cluster, "local_address", ""):
+            # the scheduler lives in this process: talk to it by reference
+            address = self.cluster.local_address
+        if not isinstance(address, str):
+            raise TypeError(f"address must be a scheduler address or a LocalCluster, got {type(address).__name__}")
+        self.scheduler_address = address
+        comm = await connect(address, timeout=self.timeout, deserialize=False)
+        await comm.write({"op": "register-client", "client": self.id})
+        reply = await comm.read()
+        if not isinstance(reply, dict) or reply.get("status") != "OK":
+            comm.abort()
+            raise RuntimeError(f"the scheduler refused this client: {reply!r:.200}")
+        self._comm = comm
+        self._stream = BatchedSend(name=f"{self.id}-to-scheduler")
+        self._stream.start(comm)
+        self._pool = ConnectionPool(deserialize=True, timeout=self.timeout)
+        self._reader = asyncio.ensure_future(self._read_scheduler(comm))
+        self.status = "running"
+        return self
+
+    def __await__(self) -> Any:
+        return self._start().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self._start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._close()
+
+    def __enter__(self) -> Client:
+        if self.asynchronous:
+            raise TypeError("use 'async with' for an asynchronous client")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = None) -> Any:
+        """Close the connection (and the cluster this client started). Pending futures
+        become cancelled; nothing hangs."""
+        if self.asynchronous:
+            return self._close()
+        if self._loop_thread is None:
+            return None
+        try:
+            self._loop_thread.run(self._close(), timeout=timeout or self.timeout + 30)
+        finally:
+            self._loop_thread.stop()
+            self._loop_thread = None
+            if self._callbacks is not None:
+                self._callbacks.shutdown(wait=False)
+        return None
+
+    async def _close(self) -> None:
+        if self.status in ("closing", "closed"):
+            return
+        self.status = "closing"
+        self._flush_outbox()
+        if self._stream is not None:
+            try:
+                self._stream.send({"op": "close-client"})
+            except CommError:
+                pass
+            await self._stream.close(timeout=2.0)
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._pool is not None:
+            await self._pool.close()
+        for st in list(self._states.values()):
+            if st.status not in ("finished", "error", "cancelled"):
+                st.cancel("the client was closed")
+        if self._own_cluster and self.cluster is not None:
+            await self.cluster._close()
+        self.status = "closed"
+
+    def __del__(self) -> None:
+        if getattr(self, "status", "closed") == "running" and not self.asynchronous:
+            try:
+                self.close(timeout=5)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<Client {self.id} scheduler={self.scheduler_address!r} {self.status}>"
+
+    # -- sync/async plumbing
+
+    def _sync(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` (a coroutine function) the way this client runs:
+        return the awaitable when asynchronous, else run it on the loop and wait."""
+        if self.asynchronous:
+            return fn(*args, **kwargs)
+        if self._loop_thread is None:
+            raise RuntimeError("this client is closed")
+        return self._loop_thread.run(fn(*args, **kwargs))
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self.loop
+        if loop is None:
+            return
+        if self._loop_thread is not None:
+            self._loop_thread.call_soon(fn, *args)
+        else:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                fn(*args)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(fn, *args)
+
+    def _run_callback(self, fn: Callable[[Future], Any], future: Future) -> None:
+        if self.asynchronous:
+            try:
+                fn(future)
+            except Exception:
+                logger.exception("a future's done callback failed")
+            return
+        if self._callbacks is None:
+            self._callbacks = ThreadPoolExecutor(1, thread_name_prefix="shoal-callbacks")
+
+        def call() -> None:
+            try:
+                fn(future)
+            except Exception:
+                logger.exception("a future's done callback failed")
+
+        try:
+            self._callbacks.submit(call)
+        except RuntimeError:
+            pass  # shut down
+
+    # -- futures bookkeeping
+
+    def _state_for(self, key: Any) -> FutureState:
+        with self._lock:
+            st = self._states.get(key)
+            if st is None:
+                st = self._states[key] = FutureState(key)
+            return st
+
+    def _inc_ref(self, key: Any) -> None:
+        with self._lock:
+            self._refcount[key] += 1
+
+    def _dec_ref(self, key: Any) -> None:
+        with self._lock:
+            self._refcount[key] -= 1
+            if self._refcount[key] > 0:
+                return
+            del self._refcount[key]
+            self._states.pop(key, None)
+        if self.status == "running":
+            self._enqueue({"op": "release-keys", "keys": [key]})
+
+    def _enqueue(self, msg: dict[str, Any]) -> None:
+        """Queue a message for the scheduler from any thread, keeping the order in
+        which they were made; consecutive releases merge into one message."""
+        with self._lock:
+            first = not self._outbox
+            last = self._outbox[-1] if self._outbox else None
+            if last is not None and last["op"] == "release-keys" and msg["op"] == "release-keys":
+                last["keys"].extend(msg["keys"])
+            else:
+                self._outbox.append(msg)
+        if first:
+            self._call_soon(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        with self._lock:
+            msgs, self._outbox = self._outbox, []
+        for msg in msgs:
+            self._send(msg)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.send(msg)
+        except CommError:
+            pass
+
+    async def _read_scheduler(self, comm: Comm) -> None:
+        try:
+            while True:
+                batch = await comm.read()
+                for msg in batch if isinstance(batch, list) else [batch]:
+                    try:
+                        self._handle_report(msg)
+                    except Exception:
+                        logger.exception("could not handle %r", msg)
+        except CommError:
+            if self.status == "running":
+                logger.warning("lost the connection to the scheduler at %s", self.scheduler_address)
+                for st in list(self._states.values()):
+                    if st.status not in ("finished", "error", "cancelled"):
+                        st.cancel("the connection to the scheduler was lost")
+
+    def _handle_report(self, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        st = self._states.get(msg.get("key"))
+        if st is None:
+            return
+        if op == "key-in-memory":
+            st.finish(msg.get("workers") or [])
+        elif op == "task-erred":
+            st.set_error(_rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
+        elif op == "cancelled-key":
+            st.cancel()
+        elif op == "lost-key":
+            st.lost()
+
+    # -- submitting
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: Any = None, workers: Any = None,
+               pure: bool = True, retries: int = 0, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the cluster; returns a :class:`Future`.
+
+        Futures among the arguments (also inside lists, tuples and dicts) are
+        dependencies: the task receives their values. ``workers=[address]`` restricts
+        where it may run. Raises ``TypeError`` for a non-callable ``fn`` or a bad key.
+        """
+        if not callable(fn):
+            raise TypeError(f"submit() needs a callable, got {type(fn).__name__}")
+        if key is None:
+            key = f"{key_name(fn)}-{tokenize(fn, args, kwargs) if pure else unique_token()}"
+        validate_key(key)
+        restrictions = _restrictions(workers)
+        task = self._make_task(key, fn, args, kwargs, restrictions, retries)
+        future = Future(key, self)
+        self._submit_tasks([task], [key])
+        return future
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], key: Any = None, workers: Any = None,
+            pure: bool = True, retries: int = 0, **kwargs: Any) -> list[Future]:
+        """``submit(fn, *items)`` for each tuple of items from ``iterables``; one
+        message to the scheduler for all of them. ``key`` may be a list of keys."""
+        if not callable(fn):
+            raise TypeError(f"map() needs a callable, got {type(fn).__name__}")
+        if not iterables:
+            raise TypeError("map() needs at least one iterable")
+        arg_tuples = list(zip(*iterables))
+        if isinstance(key, (list, tuple)):
+            keys = list(key)
+            if len(keys) != len(arg_tuples):
+                raise ValueError(f"map() got {len(keys)} keys for {len(arg_tuples)} tasks")
+        else:
+            prefix = key if isinstance(key, str) else key_name(fn)
+            if pure:
+                base = tokenize(fn, kwargs)
+                keys = [f"{prefix}-{tokenize(base, args)}" for args in arg_tuples]
+            else:
+                keys = [f"{prefix}-{unique_token()}" for _ in arg_tuples]
+        restrictions = _restrictions(workers)
+        tasks = []
+        futures = []
+        for k, args in zip(keys, arg_tuples):
+            validate_key(k)
+            tasks.append(self._make_task(k, fn, args, kwargs, restrictions, retries))
+            futures.append(Future(k, self))
+        self._submit_tasks(tasks, keys)
+        return futures
+
+    def _make_task(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   restrictions: list[str] | None, retries: int) -> dict[str, Any]:
+        deps: set[Any] = set()
+        args2 = _replace_futures(args, deps, self)
+        kwargs2 = _replace_futures(kwargs, deps, self)
+        self._check_payload_size(fn, args, kwargs)
+        return {
+            "key": key,
+            "payload": to_serialize(RunSpec(fn, args2, kwargs2)),
+            "deps": list(deps),
+            "workers": restrictions,
+            "retries": int(retries),
+        }
+
+    def _check_payload_size(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        limit = config.get("large-payload-bytes")
+        if not limit or self.id in _warned_large:
+            return
+        size = sum(sizeof(a) for a in args) + sum(sizeof(v) for v in kwargs.values())
+        if size > limit:
+            _warned_large.add(self.id)
+            warnings.warn(
+                f"a task of {key_name(fn)} carries about {size / 1e6:.1f} MB of arguments; "
+                "consider client.scatter(data) and passing the future instead",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
+        if self.status != "running":
+            raise RuntimeError(f"the client is {self.status}")
+        self._enqueue({"op": "update-graph", "tasks": tasks, "wanted": wanted})
+
+    # -- results
+
+    async def _wait_states(self, states: list[FutureState], timeout: float | None) -> None:
+        pending = [st for st in states if st.status not in ("finished", "error", "cancelled")]
+        if not pending:
+            return
+        # one waiter for all of them: states change on this loop and count down
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        remaining = [len(pending)]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                done.set_result(None)
+
+        for st in pending:
+            st.on_done(one_done)
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            left = sum(st.status not in ("finished", "error", "cancelled") for st in pending)
+            raise TimeoutError(f"{left} future(s) not done within {timeout}s") from None
+        # a future may have been lost (and be recomputing) since it finished
+        if any(st.status not in ("finished", "error", "cancelled") for st in pending):
+            await self._wait_states(pending, timeout)
+
+    def gather(self, futures: Any, errors: str = "raise") -> Any:
+        """The values of ``futures`` (a future, or lists/tuples/dicts of them), in the
+        same structure. Raises the first erred task's exception (``errors="raise"``)
+        or leaves the exception in its place (``errors="skip"`` drops it)."""
+        return self._sync(self._gather_structure, futures, errors)
+
+    async def _gather_structure(self, futures: Any, errors: str = "raise") -> Any:
+        flat: list[Future] = []
+        _collect_futures(futures, flat)
+        values = await self._gather_async(flat, errors=errors)
+        by_key = {f.key: v for f, v in zip(flat, values)}
+        return _rebuild(futures, by_key)
+
+    async def _gather_async(self, futures: list[Future], timeout: float | None = None, errors: str = "raise") -> list[Any]:
+        states = [f._state for f in futures]
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        values: dict[Any, Any] = {}
+        for _attempt in range(20):
+            remaining = None if deadline is None else max(deadline - loop.time(), 0)
+            await self._wait_states(states, remaining)
+            for st in states:
+                if st.status in ("error", "cancelled") and errors == "raise":
+                    assert st.exception is not None
+                    raise st.exception
+            need = [st for st in states if st.status == "finished" and st.key not in values]
+            by_worker: dict[str, list[Any]] = {}
+            unknown: list[Any] = []
+            for st in need:
+                if st.workers:
+                    by_worker.setdefault(st.workers[0], []).append(st.key)
+                else:
+                    unknown.append(st.key)
+            if unknown:
+                who_has = await self._scheduler_rpc().who_has(keys=unknown)
+                for k in unknown:
+                    holders = who_has.get(k) or []
+                    if holders:
+                        by_worker.setdefault(holders[0], []).append(k)
+            results = await asyncio.gather(
+                *(self._get_data(w, keys) for w, keys in by_worker.items()), return_exceptions=True
+            )
+            for (w, keys), res in zip(by_worker.items(), results):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, (CommError, OSError)):
+                        raise res
+                    res = {}
+                values.update(res)
+                for k in keys:
+                    if k not in res:
+                        st = self._states.get(k)
+                        if st is not None and st.workers and st.workers[0] == w:
+                            st.workers = st.workers[1:]
+            missing = [st for st in states if st.status == "finished" and st.key not in values]
+            if not missing:
+                break
+        else:
+            raise LostDataError(f"could not fetch {[st.key for st in missing]!r} from any worker")
+        out = []
+        for st in states:
+            if st.key in values:
+                out.append(values[st.key])
+            elif errors == "skip":
+                out.append(None)
+            else:
+                out.append(st.exception)
+        return out
+
+    async def _get_data(self, worker: str, keys: list[Any]) -> dict[Any, Any]:
+        assert self._pool is not None
+        result = await PooledRPC(self._pool, worker).get_data(keys=keys)
+        return {k: _unwrap(v) for k, v in result["data"].items()}
+
+    def _scheduler_rpc(self) -> PooledRPC:
+        assert self._pool is not None
+        return PooledRPC(self._pool, self.scheduler_address)
+
+    # -- data placement
+
+    def scatter(self, data: Any, workers: Any = None, broadcast: bool = False) -> Any:
+        """Put ``data`` on workers: one object gives one future, a list a list, a dict
+        a dict of futures keyed alike. ``workers`` limits where; ``broadcast`` puts
+        every value on every (allowed) worker."""
+        return self._sync(self._scatter, data, workers, broadcast)
+
+    async def _scatter(self, data: Any, workers: Any = None, broadcast: bool = False) -> Any:
+        if isinstance(data, dict):
+            items = list(data.items())
+            for k, _ in items:
+                validate_key(k)
+        elif isinstance(data, (list, tuple, set, frozenset)):
+            items = [(f"{type(v).__name__}-{tokenize(v)}", v) for v in data]
+        else:
+            items = [(f"{type(data).__name__}-{tokenize(data)}", data)]
+        info = await self._scheduler_rpc().scheduler_info()
+        targets = sorted(info["workers"])
+        allowed = _restrictions(workers)
+        if allowed is not None:
+            unknown = [w for w in allowed if w not in info["workers"]]
+            if unknown:
+                raise ValueError(f"no such worker(s) in this cluster: {unknown}")
+            targets = [w for w in targets if w in allowed]
+        if not targets:
+            raise RuntimeError("the cluster has no workers to scatter to")
+        placement: dict[str, dict[Any, Any]] = {}
+        who_has: dict[Any, list[str]] = {}
+        for k, v in items:
+            chosen = targets if broadcast else [targets[next(self._scatter_rr) % len(targets)]]
+            for w in chosen:
+                placement.setdefault(w, {})[k] = to_serialize(v)
+            who_has[k] = chosen
+        assert self._pool is not None
+        replies = await asyncio.gather(*(PooledRPC(self._pool, w).update_data(data=d) for w, d in placement.items()))
+        nbytes: dict[Any, int] = {}
+        for reply in replies:
+            nbytes.update(reply["nbytes"])
+        futures = {k: Future(k, self) for k, _ in items}
+        for k, f in futures.items():
+            f._state.finish(who_has[k])
+        await self._scheduler_rpc().update_data(who_has=who_has, nbytes=nbytes, client=self.id)
+        if isinstance(data, dict):
+            return futures
+        if isinstance(data, (list, tuple, set, frozenset)):
+            return [futures[k] for k, _ in items]
+        return futures[items[0][0]]
+
+    def cancel(self, futures: Any) -> Any:
+        """Cancel these futures' tasks (and this client's tasks that depend on them)."""
+        flat: list[Future] = []
+        _collect_futures(futures, flat)
+        return self._sync(self._cancel, flat)
+
+    async def _cancel(self, futures: list[Future]) -> None:
+        keys = [f.key for f in futures]
+        for f in futures:
+            if not f.done():
+                f._state.cancel()
+        self._enqueue({"op": "cancel-keys", "keys": keys})
+
+    # -- cluster inspection and control
+
+    def run(self, fn: Callable[..., Any], *args: Any, workers: Any = None, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on every worker (not as a task); returns
+        ``{worker_address: result}``."""
+        if not callable(fn):
+            raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
+        return self._sync(self._run, fn, args, kwargs, workers)
+
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], workers: Any) -> dict[str, Any]:
+        info = await self._scheduler_rpc().scheduler_info()
+        targets = _restrictions(workers) or sorted(info["workers"])
+        assert self._pool is not None
+        results = await asyncio.gather(*(
+            PooledRPC(self._pool, w).run(function=to_serialize(fn), args=to_serialize(args), kwargs=to_serialize(kwargs))
+            for w in targets
+        ))
+        return {w: _unwrap(r) for w, r in zip(targets, results)}
+
+    def transfer_stats(self) -> Any:
+        """Bytes of values each worker served to peers and clients or received by
+        scatter, by how they travelled: ``{worker: {"inproc": n, "shm": n, "tcp": n}}``."""
+        return self._sync(self._transfer_stats)
+
+    async def _transfer_stats(self) -> dict[str, dict[str, int]]:
+        info = await self._scheduler_rpc().scheduler_info()
+        assert self._pool is not None
+        workers = sorted(info["workers"])
+        stats = await asyncio.gather(*(PooledRPC(self._pool, w).transfer_stats() for w in workers))
+        return dict(zip(workers, stats))
+
+    def who_has(self, futures: Any = None) -> Any:
+        """``{key: [worker_address, ...]}`` for these futures (or every key)."""
+        keys = None
+        if futures is not None:
+            flat: list[Future] = []
+            _collect_futures(futures, flat)
+            keys = [f.key for f in flat]
+        return self._sync(self._who_has, keys)
+
+    async def _who_has(self, keys: list[Any] | None) -> dict[Any, list[str]]:
+        return await self._scheduler_rpc().who_has(keys=keys)
+
+    def scheduler_info(self) -> Any:
+        """``{"address": ..., "workers": {address: {"nthreads", "host", "pid", ...}}}``."""
+        return self._sync(self._scheduler_info)
+
+    async def _scheduler_info(self) -> dict[str, Any]:
+        return await self._scheduler_rpc().scheduler_info()
+
+    def scheduler_counters(self) -> Any:
+        """Scheduler-side counters (e.g. ``payload_deserializations``, always 0)."""
+        return self._sync(self._counters)
+
+    async def _counters(self) -> dict[str, Any]:
+        return await self._scheduler_rpc().counters()
+
+    # -- dask graphs
+
+    def get(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        """Run a dask-style graph and return the values of ``keys`` (a key or nested
+        lists of keys), so ``dask.compute(x, scheduler=client.get)`` works. Raises
+        ``KeyError`` for a requested key not in the graph and :class:`GraphError` for a
+        cycle."""
+        return self._sync(self._get, dsk, keys)
+
+    async def _get(self, dsk: Any, keys: Any) -> Any:
+        tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
+        futures = [Future(k, self) for k in flat_keys]
+        self._submit_tasks(tasks, flat_keys)
+        try:
+            values = await self._gather_async(futures)
+        finally:
+            for f in futures:
+                f.release()
+        by_key = dict(zip(flat_keys, values))
+        return graphs.pack(keys, by_key)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _restrictions(workers: Any) -> list[str] | None:
+    if workers is None:
+        return None
+    if isinstance(workers, str):
+        return [workers]
+    out = list(workers)
+    if not all(isinstance(w, str) for w in out):
+        raise TypeError(f"workers= takes worker addresses (strings), got {workers!r}")
+    return out
+
+
+def _replace_futures(obj: Any, deps: set[Any], client: Client) -> Any:
+    typ = type(obj)
+    if typ is Future:
+        if obj.client is not client:
+            raise ValueError(f"{obj!r} belongs to another client")
+        deps.add(obj.key)
+        return Ref(obj.key)
+    if typ is list:
+        return [_replace_futures(v, deps, client) for v in obj]
+    if typ is tuple:
+        return tuple(_replace_futures(v, deps, client) for v in obj)
+    if typ is dict:
+        return {k: _replace_futures(v, deps, client) for k, v in obj.items()}
+    return obj
+
+
+def _collect_futures(obj: Any, out: list[Future]) -> None:
+    if isinstance(obj, Future):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _collect_futures(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_futures(v, out)
+
+
+def _rebuild(obj: Any, values: dict[Any, Any]) -> Any:
+    if isinstance(obj, Future):
+        return values[obj.key]
+    if isinstance(obj, list):
+        return [_rebuild(v, values) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v, values) for v in obj)
+    if isinstance(obj, (set, frozenset)):
+        return type(obj)(_rebuild(v, values) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, values) for k, v in obj.items()}
+    return obj
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, Serialize):
+        return value.data
+    if isinstance(value, Serialized):
+        return deserialize(value)
+    return value
+
+
+def _rebuild_exception(msg: dict[str, Any]) -> BaseException:
+    text = str(msg.get("text") or "")
+    kind = msg.get("kind") or ""
+    exc: Any = msg.get("exception")
+    try:
+        exc = _unwrap(exc) if exc is not None else None
+    except Exception as e:  # the exception's class is not importable here
+        exc = RemoteError(f"{text} (and it could not be deserialized here: {e!r})", text.split(":")[0], "")
+    if not isinstance(exc, BaseException):
+        if kind == "KilledWorker":
+            exc = KilledWorker(text.removeprefix("KilledWorker: "))
+        elif kind == "GraphError":
+            exc = GraphError(text.removeprefix("GraphError: "))
+        elif kind == "LostData":
+            exc = LostDataError(text.removeprefix("LostData: "))
+        elif kind == "ValueError":
+            exc = ValueError(text.removeprefix("ValueError: "))
+        else:
+            exc = RemoteError(text or f"task {msg.get('key')!r} failed", text.split(":")[0], str(msg.get("traceback") or ""))
+    tb = msg.get("traceback")
+    if isinstance(tb, str) and tb and hasattr(exc, "add_note"):
+        note = "traceback on the worker:\n" + tb
+        if note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+    return exc
+
+

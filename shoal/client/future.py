@@ -1,0 +1,272 @@
+"""Futures: handles on remote results, and ``wait``/``as_completed`` over them."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import namedtuple
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CancelledError
+
+if TYPE_CHECKING:
+    from .client import Client
+
+__all__ = ["Future", "FutureState", "wait", "as_completed", "DoneAndNotDone"]
+
+DoneAndNotDone = namedtuple("DoneAndNotDone", ["done", "not_done"])
+
+_FINAL = ("finished", "error", "cancelled")
+
+
+class FutureState:
+    """What the client knows of one key; shared by every :class:`Future` of that key.
+
+    Changed only on the client's event loop.
+    """
+
+    __slots__ = ("key", "status", "exception", "traceback", "workers", "_event", "_callbacks", "_lock")
+
+    def __init__(self, key: Any):
+        self.key = key
+        self.status = "pending"
+        self.exception: BaseException | None = None
+        self.traceback: str | None = None
+        self.workers: list[str] = []
+        self._event: asyncio.Event | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def event(self) -> asyncio.Event:
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self.status in _FINAL:
+                self._event.set()
+        return self._event
+
+    def _done(self) -> None:
+        if self._event is not None:
+            self._event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def finish(self, workers: list[str]) -> None:
+        self.status = "finished"
+        self.workers = list(workers)
+        self.exception = self.traceback = None
+        self._done()
+
+    def set_error(self, exception: BaseException, traceback: str | None) -> None:
+        self.status = "error"
+        self.exception = exception
+        self.traceback = traceback
+        self._done()
+
+    def cancel(self, reason: str = "") -> None:
+        self.status = "cancelled"
+        self.exception = CancelledError(reason or f"task {self.key!r} was cancelled")
+        self._done()
+
+    def lost(self) -> None:
+        """The value was lost with a worker; it is being recomputed."""
+        self.status = "lost"
+        self.workers = []
+        if self._event is not None:
+            self._event.clear()
+
+    def on_done(self, cb: Callable[[], None]) -> None:
+        with self._lock:
+            if self.status not in _FINAL:
+                self._callbacks.append(cb)
+                return
+        cb()
+
+
+class Future:
+    """A handle on the result of a task that runs on the cluster.
+
+    ``status`` is one of ``pending``, ``finished``, ``error``, ``cancelled``, ``lost``.
+    When the last Future of a key is released (garbage collected or ``release()``d)
+    the cluster forgets the key and frees its memory.
+    """
+
+    __shoal_future__ = True
+
+    def __init__(self, key: Any, client: Client, state: FutureState | None = None):
+        self.key = key
+        self.client = client
+        self._state = state if state is not None else client._state_for(key)
+        self._released = False
+        client._inc_ref(key)
+
+    @property
+    def status(self) -> str:
+        return self._state.status
+
+    def done(self) -> bool:
+        """Whether the task has finished, erred or been cancelled."""
+        return self._state.status in _FINAL
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The task's value (waits for it). Raises the task's exception (same type,
+        with the worker's traceback as a note), :class:`~shoal.CancelledError` if it was
+        cancelled, ``TimeoutError`` after ``timeout`` seconds. On an asynchronous client
+        this returns an awaitable."""
+        return self.client._sync(self._result, timeout)
+
+    async def _result(self, timeout: float | None = None) -> Any:
+        values = await self.client._gather_async([self], timeout=timeout)
+        return values[0]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The task's exception, or ``None`` if it succeeded (waits for it)."""
+        return self.client._sync(self._exception, timeout)
+
+    async def _exception(self, timeout: float | None = None) -> BaseException | None:
+        await self.client._wait_states([self._state], timeout)
+        return self._state.exception if self._state.status in ("error", "cancelled") else None
+
+    def traceback(self, timeout: float | None = None) -> str | None:
+        """The formatted traceback from the worker for an erred task, else ``None``."""
+        return self.client._sync(self._traceback, timeout)
+
+    async def _traceback(self, timeout: float | None = None) -> str | None:
+        await self.client._wait_states([self._state], timeout)
+        return self._state.traceback
+
+    def cancel(self) -> Any:
+        """Cancel the task (and what depends on it for this client)."""
+        return self.client.cancel([self])
+
+    def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
+        """Call ``fn(future)`` once the future is done (in a client thread)."""
+        client = self.client
+
+        def fire() -> None:
+            client._run_callback(fn, self)
+
+        self._state.on_done(fire)
+
+    def release(self) -> None:
+        """Drop this handle's claim on the key now (instead of at garbage collection)."""
+        if not self._released:
+            self._released = True
+            self.client._dec_ref(self.key)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __await__(self) -> Any:
+        return self._result().__await__()
+
+    def __repr__(self) -> str:
+        return f"<Future {self.key!r} {self.status}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a shoal Future cannot be pickled; pass it to submit()/map() as an argument "
+            "and the task receives its value"
+        )
+
+
+def _client_of(futures: list[Future]) -> Client:
+    if not futures:
+        raise ValueError("no futures given")
+    return futures[0].client
+
+
+def wait(futures: Iterable[Future], timeout: float | None = None, return_when: str = "ALL_COMPLETED") -> Any:
+    """Wait until all (``ALL_COMPLETED``) or any (``FIRST_COMPLETED``) of the futures are
+    done; return ``DoneAndNotDone(done, not_done)`` sets. Raises ``TimeoutError``.
+    On an asynchronous client this returns an awaitable."""
+    futures = list(futures)
+    if return_when not in ("ALL_COMPLETED", "FIRST_COMPLETED"):
+        raise ValueError(f"return_when must be ALL_COMPLETED or FIRST_COMPLETED, got {return_when!r}")
+    if not futures:
+        return DoneAndNotDone(set(), set())
+    client = _client_of(futures)
+    return client._sync(_wait_async, futures, timeout, return_when)
+
+
+async def _wait_async(futures: list[Future], timeout: float | None, return_when: str) -> DoneAndNotDone:
+    client = futures[0].client
+    states = [f._state for f in futures]
+    if return_when == "ALL_COMPLETED":
+        await client._wait_states(states, timeout)
+    else:
+        waits = [asyncio.ensure_future(s.event().wait()) for s in states]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"no future finished within {timeout}s")
+        finally:
+            for w in waits:
+                w.cancel()
+    done_set = {f for f in futures if f.done()}
+    return DoneAndNotDone(done_set, set(futures) - done_set)
+
+
+class as_completed:
+    """Iterate over futures in the order they complete (``with_results=True`` yields
+    ``(future, result)`` pairs). ``add(future)`` adds more while iterating. Also an
+    async iterator."""
+
+    def __init__(self, futures: Iterable[Future] = (), with_results: bool = False):
+        self.with_results = with_results
+        self._queue: queue.Queue[Future] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._wakeup: asyncio.Event | None = None
+        for f in futures:
+            self.add(f)
+
+    def add(self, future: Future) -> None:
+        with self._lock:
+            self._pending += 1
+        future._state.on_done(lambda: self._arrived(future))
+
+    def _arrived(self, future: Future) -> None:
+        self._queue.put(future)
+        if self._wakeup is not None:
+            # async iteration: callbacks run on the client's loop, where the waiter is
+            self._wakeup.set()
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            if self._pending == 0:
+                raise StopIteration
+            self._pending -= 1
+        future = self._queue.get()
+        if self.with_results:
+            return future, future.result()
+        return future
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        with self._lock:
+            if self._pending == 0:
+                raise StopAsyncIteration
+            self._pending -= 1
+        while True:
+            try:
+                future = self._queue.get_nowait()
+                break
+            except queue.Empty:
+                self._wakeup = asyncio.Event()
+                if self._queue.empty():
+                    await self._wakeup.wait()
+        if self.with_results:
+            return future, await future._result()
+        return future

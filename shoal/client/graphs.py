@@ -1,0 +1,111 @@
+"""Dask-style graphs to shoal tasks.
+
+With dask installed, graphs go through dask's own ``convert_legacy_graph``, which
+accepts every form current dask produces (legacy tuple tasks, key references, nested
+containers, and the task-spec classes ``Task``, ``Alias``, ``DataNode``, ``List``,
+``Dict``...); each node runs on a worker as ``node(values)``. Without dask, legacy
+graphs (tuples whose first element is callable, key references, lists) are converted
+here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from ..errors import GraphError
+from ..protocol import to_serialize
+from ..taskspec import Ref, RunSpec, Task
+
+__all__ = ["graph_to_tasks", "pack", "flatten_keys"]
+
+
+def flatten_keys(keys: Any, out: list[Any]) -> list[Any]:
+    if isinstance(keys, list):
+        for k in keys:
+            flatten_keys(k, out)
+    else:
+        out.append(keys)
+    return out
+
+
+def pack(keys: Any, values: dict[Any, Any]) -> Any:
+    """Values in the nested-list shape of ``keys``."""
+    if isinstance(keys, list):
+        return [pack(k, values) for k in keys]
+    return values[keys]
+
+
+def _run_node(node: Any, values: dict[Any, Any]) -> Any:
+    return node(values)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(tasks for update-graph, flat list of wanted keys)``.
+
+    Raises ``KeyError`` for a wanted key not in the graph and :class:`GraphError` for a
+    reference to a key the graph does not define.
+    """
+    if hasattr(dsk, "__dask_graph__"):
+        dsk = dsk.__dask_graph__()
+    if not isinstance(dsk, Mapping):
+        raise TypeError(f"a graph is a mapping of keys to tasks, got {type(dsk).__name__}")
+    dsk = dict(dsk)
+    wanted = flatten_keys(keys, [])
+    for k in wanted:
+        try:
+            if k not in dsk:
+                raise KeyError(f"key {k!r} is not in the graph")
+        except TypeError:
+            raise KeyError(f"key {k!r} is not a valid key") from None
+    try:
+        from dask._task_spec import convert_legacy_graph
+    except ImportError:
+        return _convert_legacy(dsk), wanted
+    nodes = convert_legacy_graph(dsk)
+    tasks = []
+    for key, node in nodes.items():
+        deps = list(node.dependencies)
+        for d in deps:
+            if d not in nodes:
+                raise GraphError(f"task {key!r} depends on {d!r}, which the graph does not define")
+        payload = RunSpec(_run_node, (node, {d: Ref(d) for d in deps}))
+        tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
+    # keys the converter dropped (aliases of themselves) are still wanted
+    for k in wanted:
+        if k not in nodes:
+            raise GraphError(f"key {k!r} does not name a task")
+    return tasks, wanted
+
+
+def _is_task(v: Any) -> bool:
+    return type(v) is tuple and bool(v) and callable(v[0])
+
+
+def _convert_legacy(dsk: dict[Hashable, Any]) -> list[dict[str, Any]]:
+    def conv(v: Any, deps: set[Any]) -> Any:
+        if _is_task(v):
+            return Task(None, v[0], tuple(conv(a, deps) for a in v[1:]))
+        if type(v) is list:
+            return [conv(a, deps) for a in v]
+        try:
+            if v in dsk:
+                deps.add(v)
+                return Ref(v)
+        except TypeError:
+            pass
+        return v
+
+    tasks = []
+    for key, v in dsk.items():
+        deps: set[Any] = set()
+        if _is_task(v):
+            spec = RunSpec(v[0], tuple(conv(a, deps) for a in v[1:]))
+        else:
+            spec = RunSpec(_identity, (conv(v, deps),))
+        tasks.append({"key": key, "payload": to_serialize(spec), "deps": list(deps), "workers": None, "retries": 0})
+    return tasks

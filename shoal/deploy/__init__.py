@@ -1,0 +1,5 @@
+"""Starting clusters: :class:`LocalCluster`."""
+
+from .local import LocalCluster
+
+__all__ = ["LocalCluster"]

@@ -1,0 +1,160 @@
+"""A cluster on this machine: scheduler and workers as threads of this process
+(``processes=False``, over ``inproc://``) or workers as processes of their own
+(``processes=True``, over ``tcp://`` on ``host``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+from .._loop import LoopThread
+from ..scheduler.server import Scheduler
+from ..worker.server import Worker
+
+__all__ = ["LocalCluster"]
+
+
+class LocalCluster:
+    """``LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+    host="127.0.0.1")``; a context manager. ``await LocalCluster(...,
+    asynchronous=True)`` starts it on the running loop instead of a thread of its own.
+
+    Worker processes are started with ``python -m shoal worker``, so scripts that make a
+    LocalCluster need no ``if __name__ == "__main__":`` guard on shoal's account.
+    """
+
+    def __init__(self, n_workers: int = 2, threads_per_worker: int = 1, processes: bool = True,
+                 host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0):
+        if n_workers < 0:
+            raise ValueError(f"n_workers must be >= 0, got {n_workers}")
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        self.n_workers = n_workers
+        self.threads_per_worker = threads_per_worker
+        self.processes = processes
+        self.host = host
+        self.asynchronous = asynchronous
+        self.timeout = timeout
+        self.scheduler: Scheduler | None = None
+        self.workers: list[Worker] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.status = "created"
+        self.local_address = ""
+        self._loop_thread: LoopThread | None = None
+        if not asynchronous:
+            self._loop_thread = LoopThread(name="shoal-cluster")
+            try:
+                self._loop_thread.run(self._start(), timeout=timeout + 10)
+            except BaseException:
+                self._loop_thread.run(self._close())
+                self._loop_thread.stop()
+                raise
+
+    @property
+    def scheduler_address(self) -> str:
+        assert self.scheduler is not None
+        return self.scheduler.address
+
+    @property
+    def worker_addresses(self) -> list[str]:
+        assert self.scheduler is not None
+        return sorted(self.scheduler.state.workers)
+
+    def __await__(self) -> Any:
+        return self._start().__await__()
+
+    async def _start(self) -> LocalCluster:
+        if self.status == "running":
+            return self
+        self.scheduler = Scheduler()
+        await self.scheduler.start("tcp://" + _hostport(self.host, 0) if self.processes else "inproc://")
+        # a client in this process reaches the scheduler by reference, whatever the workers use
+        self.local_address = (await self.scheduler.server.listen("inproc://")).contact_address
+        if self.processes:
+            env = dict(os.environ)
+            # workers import what this process can import (as multiprocessing's spawn does)
+            paths = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+            for i in range(self.n_workers):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "shoal", "worker", self.scheduler.address,
+                     "--nthreads", str(self.threads_per_worker), "--name", f"worker-{i}",
+                     "--host", self.host],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
+                ))
+            await self._wait_for_processes()
+        else:
+            for i in range(self.n_workers):
+                w = Worker(self.scheduler.address, nthreads=self.threads_per_worker, name=f"worker-{i}")
+                await w.start()
+                self.workers.append(w)
+        self.status = "running"
+        return self
+
+    async def _wait_for_processes(self) -> None:
+        assert self.scheduler is not None
+        waiting = asyncio.ensure_future(self.scheduler.wait_for_workers(self.n_workers, self.timeout))
+        try:
+            while not waiting.done():
+                dead = [p for p in self.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(
+                        f"a worker process exited with code {dead[0].returncode} while starting"
+                    )
+                await asyncio.wait({waiting}, timeout=0.05)  # poll child exit codes meanwhile
+            waiting.result()
+        finally:
+            waiting.cancel()
+
+    def close(self) -> Any:
+        """Stop the workers and the scheduler (an awaitable when asynchronous)."""
+        if self.asynchronous:
+            return self._close()
+        if self._loop_thread is not None:
+            try:
+                self._loop_thread.run(self._close(), timeout=self.timeout + 10)
+            finally:
+                self._loop_thread.stop()
+                self._loop_thread = None
+        return None
+
+    async def _close(self) -> None:
+        if self.status == "closed":
+            return
+        self.status = "closing"
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        for w in self.workers:
+            await w.close(report=False)
+        loop = asyncio.get_running_loop()
+        for p in self.procs:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(None, p.wait), 5.0)
+            except asyncio.TimeoutError:
+                p.kill()
+                await loop.run_in_executor(None, p.wait)
+        self.status = "closed"
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> LocalCluster:
+        return await self._start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._close()
+
+    def __repr__(self) -> str:
+        addr = self.scheduler.address if self.scheduler else "-"
+        kind = "processes" if self.processes else "threads"
+        return f"<LocalCluster {addr} {self.n_workers} workers ({kind}) {self.status}>"
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

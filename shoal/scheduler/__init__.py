@@ -1,0 +1,1 @@
+"""The scheduler: sans-IO state (:mod:`.state`) and its server (:mod:`.server`)."""

@@ -1,0 +1,311 @@
+"""The scheduler's IO: turns messages into :mod:`.state` events and instructions into
+messages.
+
+Workers and clients each hold one long-lived stream to the scheduler (ops
+``register-worker`` and ``register-client``), carrying batches of small messages both
+ways. The scheduler's comms do not deserialize: task payloads, exceptions and scattered
+values stay :class:`~shoal.protocol.Serialized` (or, in-process, the objects themselves)
+and are forwarded as they came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from ..comm import Comm
+from ..errors import CommError
+from ..rpc import BatchedSend, Server
+from .state import (
+    AddClientEvent,
+    AddWorkerEvent,
+    CancelKeysEvent,
+    ClientMsg,
+    ComputeTask,
+    FreeKeys,
+    Instruction,
+    MissingDataEvent,
+    NewTask,
+    ReleaseKeysEvent,
+    RemoveClientEvent,
+    RemoveWorkerEvent,
+    RescheduleEvent,
+    SchedulerState,
+    TaskErredEvent,
+    TaskFinishedEvent,
+    UpdateDataEvent,
+    UpdateGraphEvent,
+)
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger("shoal.scheduler")
+
+
+class Scheduler:
+    """Serves workers and clients; all decisions are :class:`SchedulerState`'s."""
+
+    def __init__(self, name: str = "scheduler"):
+        self.state = SchedulerState()
+        self.name = name
+        self.server = Server(
+            {
+                "identity": self.identity,
+                "scheduler-info": self.identity,
+                "who-has": self.who_has,
+                "update-data": self.update_data,
+                "ncores": self.ncores,
+                "counters": self.counters,
+                "retire-all": self.retire_all,
+            },
+            stream_handlers={
+                "register-worker": self.add_worker,
+                "register-client": self.add_client,
+            },
+            deserialize=False,
+            name=name,
+        )
+        self.worker_streams: dict[str, BatchedSend] = {}
+        self.worker_comms: dict[str, Comm] = {}
+        self.client_streams: dict[str, BatchedSend] = {}
+        self._ids = itertools.count()
+        self._workers_changed: asyncio.Event | None = None
+        self.closing = False
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:
+        await self.server.listen(address)
+        logger.info("scheduler at %s", self.address)
+        return self
+
+    def _stimulus(self, what: str) -> str:
+        return f"{what}-{next(self._ids)}"
+
+    # -- rpc handlers
+
+    def identity(self, comm: Comm | None = None) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "workers": {
+                ws.address: {"nthreads": ws.nthreads, "host": ws.host, "pid": ws.pid, "name": ws.name}
+                for ws in self.state.workers.values()
+            },
+        }
+
+    def ncores(self, comm: Comm | None = None) -> dict[str, int]:
+        return {a: ws.nthreads for a, ws in self.state.workers.items()}
+
+    def who_has(self, comm: Comm | None = None, keys: list[Any] | None = None) -> dict[Any, list[str]]:
+        tasks = self.state.tasks
+        selected = tasks.values() if keys is None else (tasks[k] for k in keys if k in tasks)
+        return {ts.key: sorted(ws.address for ws in ts.who_has) for ts in selected}
+
+    def update_data(self, comm: Comm | None = None, who_has: dict[Any, list[str]] | None = None,
+                    nbytes: dict[Any, int] | None = None, client: str = "") -> None:
+        self._apply(UpdateDataEvent(self._stimulus("update-data"), client, who_has or {}, nbytes or {}))
+
+    def counters(self, comm: Comm | None = None) -> dict[str, Any]:
+        return {
+            "payload_deserializations": self.state.payload_deserializations,
+            "tasks": self.state.task_counts(),
+        }
+
+    async def retire_all(self, comm: Comm | None = None) -> None:
+        """Ask every worker to close (the cluster is shutting down)."""
+        for stream in list(self.worker_streams.values()):
+            try:
+                stream.send({"op": "close"})
+            except CommError:
+                pass
+
+    # -- streams
+
+    async def add_worker(self, comm: Comm, address: str, nthreads: int, host: str = "",
+                         pid: int = 0, name: str = "", **_: Any) -> None:
+        if address in self.worker_streams:
+            await _reply_error(comm, f"a worker at {address} is already registered")
+            return
+        if not isinstance(nthreads, int) or nthreads < 1:
+            await _reply_error(comm, f"nthreads must be a positive integer, got {nthreads!r}")
+            return
+        await comm.write({"status": "OK", "address": self.address})
+        stream = BatchedSend(name=f"to-{address}")
+        stream.start(comm)
+        self.worker_streams[address] = stream
+        self.worker_comms[address] = comm
+        self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name))
+        logger.info("worker %s joined (%d threads)", address, nthreads)
+        self._notify_workers_changed()
+        clean = False
+        try:
+            while True:
+                batch = await comm.read()
+                for msg in batch if isinstance(batch, list) else [batch]:
+                    if isinstance(msg, dict) and msg.get("op") == "unregister":
+                        clean = True
+                    self._worker_msg(address, msg)
+                if clean:
+                    break
+        except CommError:
+            pass
+        finally:
+            self.worker_streams.pop(address, None)
+            self.worker_comms.pop(address, None)
+            stream.abort()
+            if not self.closing:
+                logger.info("worker %s left%s", address, "" if clean else " (connection lost)")
+            self._apply(RemoveWorkerEvent(self._stimulus("remove-worker"), address, crashed=not clean))
+            self._notify_workers_changed()
+
+    def _notify_workers_changed(self) -> None:
+        if self._workers_changed is not None:
+            self._workers_changed.set()
+
+    async def wait_for_workers(self, n: int, timeout: float | None = None) -> None:
+        """Wait until at least ``n`` workers are registered; ``TimeoutError`` after
+        ``timeout`` seconds."""
+
+        async def wait() -> None:
+            while len(self.state.workers) < n:
+                self._workers_changed = asyncio.Event()
+                await self._workers_changed.wait()
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{len(self.state.workers)} of {n} workers arrived within {timeout}s") from None
+
+    def _worker_msg(self, address: str, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            logger.error("worker %s sent a non-message %r", address, msg)
+            return
+        op = msg.get("op")
+        sid = self._stimulus(str(op))
+        if op == "task-finished":
+            self._apply(TaskFinishedEvent(sid, address, msg["key"], int(msg.get("nbytes") or 0),
+                                          float(msg.get("duration") or 0.0)))
+        elif op == "task-erred":
+            self._apply(TaskErredEvent(sid, address, msg["key"], msg.get("exception"),
+                                       msg.get("traceback"), str(msg.get("text", ""))))
+        elif op == "missing-data":
+            self._apply(MissingDataEvent(sid, msg["key"], msg["errant_worker"]))
+        elif op == "reschedule":
+            self._apply(RescheduleEvent(sid, address, msg["key"]))
+        elif op in ("heartbeat", "unregister"):
+            pass
+        else:
+            logger.error("worker %s sent unknown op %r", address, op)
+
+    async def add_client(self, comm: Comm, client: str, **_: Any) -> None:
+        await comm.write({"status": "OK", "address": self.address})
+        stream = BatchedSend(name=f"to-{client}")
+        stream.start(comm)
+        self.client_streams[client] = stream
+        self._apply(AddClientEvent(self._stimulus("add-client"), client))
+        try:
+            while True:
+                batch = await comm.read()
+                closing = False
+                for msg in batch if isinstance(batch, list) else [batch]:
+                    if isinstance(msg, dict) and msg.get("op") == "close-client":
+                        closing = True
+                        continue
+                    self._client_msg(client, msg)
+                if closing:
+                    break
+        except CommError:
+            pass
+        finally:
+            self.client_streams.pop(client, None)
+            self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
+            await stream.close()
+
+    def _client_msg(self, client: str, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            logger.error("client %s sent a non-message %r", client, msg)
+            return
+        op = msg.get("op")
+        sid = self._stimulus(str(op))
+        if op == "update-graph":
+            try:
+                tasks = [
+                    NewTask(t["key"], t.get("payload"), list(t.get("deps") or ()),
+                            t.get("workers"), int(t.get("retries") or 0))
+                    for t in msg["tasks"]
+                ]
+            except (KeyError, TypeError, ValueError) as exc:
+                logger.error("client %s sent a malformed graph: %r", client, exc)
+                return
+            self._apply(UpdateGraphEvent(sid, client, tasks, list(msg.get("wanted") or ())))
+        elif op == "release-keys":
+            self._apply(ReleaseKeysEvent(sid, client, list(msg.get("keys") or ())))
+        elif op == "cancel-keys":
+            self._apply(CancelKeysEvent(sid, client, list(msg.get("keys") or ())))
+        elif op == "heartbeat":
+            pass
+        else:
+            logger.error("client %s sent unknown op %r", client, op)
+
+    # -- instructions
+
+    def _apply(self, event: Any) -> None:
+        # free-keys to one worker merge into one message, sent before anything else
+        # that goes to that worker, so the worker sees them in the order made
+        free: dict[str, list[Any]] = {}
+        for inst in self.state.handle(event):
+            if isinstance(inst, FreeKeys):
+                free.setdefault(inst.worker, []).extend(inst.keys)
+                continue
+            if isinstance(inst, ComputeTask) and inst.worker in free:
+                self._send_worker(inst.worker, {"op": "free-keys", "keys": free.pop(inst.worker)})
+            self._do(inst)
+        for worker, keys in free.items():
+            self._send_worker(worker, {"op": "free-keys", "keys": keys})
+
+    def _do(self, inst: Instruction) -> None:
+        if isinstance(inst, ComputeTask):
+            msg: dict[str, Any] = {
+                "op": "compute-task", "key": inst.key, "payload": inst.payload,
+                "who_has": inst.who_has, "nbytes": inst.nbytes, "priority": list(inst.priority),
+            }
+            self._send_worker(inst.worker, msg)
+        elif isinstance(inst, FreeKeys):
+            self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys})
+        elif isinstance(inst, ClientMsg):
+            stream = self.client_streams.get(inst.client)
+            if stream is not None:
+                try:
+                    stream.send(inst.msg)
+                except CommError:
+                    pass
+
+    def _send_worker(self, address: str, msg: dict[str, Any]) -> None:
+        stream = self.worker_streams.get(address)
+        if stream is None:
+            return
+        try:
+            stream.send(msg)
+        except CommError:
+            pass  # its stream handler will remove the worker
+
+    async def close(self) -> None:
+        self.closing = True
+        await self.retire_all()
+        for stream in list(self.worker_streams.values()) + list(self.client_streams.values()):
+            await stream.close(timeout=2.0)
+        await self.server.close()
+
+
+async def _reply_error(comm: Comm, text: str) -> None:
+    logger.error(text)
+    try:
+        await comm.write({"status": "error", "message": text, "type": "ValueError",
+                          "traceback": "", "exception": None})
+    except CommError:
+        pass
+    comm.abort()

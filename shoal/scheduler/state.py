@@ -1,0 +1,1026 @@
+"""The scheduler's decisions, without IO.
+
+Theory of operation
+-------------------
+``SchedulerState.handle(*events)`` takes events (a client submitted a graph, a worker
+finished a task, a worker left, ...) and returns instructions for the server to carry
+out (send a task to a worker, tell a worker to free keys, tell a client a key is done).
+It imports no asyncio, opens no socket and reads no clock, so tests drive it directly.
+
+Task states::
+
+    released -> waiting -> queued -> processing -> memory
+                   |          |          |-------> erred
+                   |          |          +-------> waiting (a retry; the worker gave it
+                   |          |                    back; the worker died)
+                   +----------+----------+-------> released -> forgotten
+
+- ``waiting``: some dependency is not in memory yet.
+- ``queued``: runnable, but every allowed worker is full (a worker takes at most
+  ``nthreads + ahead`` tasks, so it can fetch inputs of the next ones while computing).
+- ``processing``: sent to a worker.
+- ``memory``: at least one worker holds the value.
+- ``erred``: the task (or a dependency) raised; the exception stays opaque. The
+  scheduler errs a task itself when it may only run on workers that are not (or no
+  longer) in the cluster (``ValueError``), when it was running on ``allowed_failures``
+  workers that died (``KilledWorker``), and when a scattered value is lost (``LostData``).
+- ``released``: not computed, and no-one holds the value; ``forgotten`` tasks are
+  dropped from the state once no client wants them and no dependent needs them.
+
+All changes of state go through :meth:`SchedulerState._transition`, which looks the pair
+up in ``_TRANSITIONS``; an illegal pair raises and leaves the state unchanged. A
+transition returns recommendations (more transitions), carried out first in, first out
+by :meth:`SchedulerState._recommend`; one that no longer fits when its turn comes (a
+task recommended "forgotten" that a dependent needs again) is skipped.
+:meth:`validate` checks the invariants; the tests call it after every step.
+
+The scheduler never looks inside a task's payload: it holds it opaque and forwards it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SchedulerState",
+    "TaskState",
+    "WorkerState",
+    "InvalidTransition",
+    # events
+    "AddWorkerEvent",
+    "RemoveWorkerEvent",
+    "AddClientEvent",
+    "RemoveClientEvent",
+    "UpdateGraphEvent",
+    "NewTask",
+    "TaskFinishedEvent",
+    "TaskErredEvent",
+    "ReleaseKeysEvent",
+    "CancelKeysEvent",
+    "UpdateDataEvent",
+    "MissingDataEvent",
+    "RescheduleEvent",
+    # instructions
+    "ComputeTask",
+    "FreeKeys",
+    "ClientMsg",
+]
+
+Key = Hashable
+
+#: tasks a worker holds beyond its thread count, so input fetches overlap compute
+DEFAULT_AHEAD = 2
+#: a task that was running on this many workers when they died errs with KilledWorker
+ALLOWED_FAILURES = 3
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the transition table does not allow."""
+
+
+# ------------------------------------------------------------------------- the model
+
+
+@dataclass(eq=False)
+class WorkerState:
+    address: str
+    nthreads: int
+    host: str = ""
+    pid: int = 0
+    name: str = ""
+    processing: set[TaskState] = field(default_factory=set)
+    has_what: set[TaskState] = field(default_factory=set)
+    nbytes: int = 0
+
+    def __repr__(self) -> str:
+        return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
+
+
+@dataclass(eq=False)
+class TaskState:
+    key: Key
+    payload: Any = None
+    state: str = "released"
+    priority: tuple[int, ...] = (0,)
+    dependencies: set[TaskState] = field(default_factory=set)
+    dependents: set[TaskState] = field(default_factory=set)
+    #: dependencies not in memory yet
+    waiting_on: set[TaskState] = field(default_factory=set)
+    #: dependents that have yet to run and need this value
+    waiters: set[TaskState] = field(default_factory=set)
+    who_has: set[WorkerState] = field(default_factory=set)
+    processing_on: WorkerState | None = None
+    who_wants: set[str] = field(default_factory=set)
+    restrictions: set[str] | None = None
+    nbytes: int = -1
+    retries: int = 0
+    suspicious: int = 0
+    #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
+    exception: Any = None
+    traceback: Any = None
+    exception_text: str = ""
+    exception_blame: TaskState | None = None
+    #: for errors the scheduler raises itself: "KilledWorker", "LostData", ...
+    error_kind: str = ""
+
+    def __repr__(self) -> str:
+        return f"<TaskState {self.key!r} {self.state}>"
+
+    def __lt__(self, other: TaskState) -> bool:
+        return self.priority < other.priority
+
+
+# ------------------------------------------------------------------------------ events
+
+
+@dataclass
+class Event:
+    stimulus_id: str
+
+
+@dataclass
+class AddWorkerEvent(Event):
+    address: str
+    nthreads: int
+    host: str = ""
+    pid: int = 0
+    name: str = ""
+
+
+@dataclass
+class RemoveWorkerEvent(Event):
+    address: str
+    #: whether the worker died (its running tasks count as suspicious) or left cleanly
+    crashed: bool = True
+
+
+@dataclass
+class AddClientEvent(Event):
+    client: str
+
+
+@dataclass
+class RemoveClientEvent(Event):
+    client: str
+
+
+@dataclass
+class NewTask:
+    """One task of a graph: dependencies are keys; ``payload`` stays opaque."""
+
+    key: Key
+    payload: Any
+    dependencies: list[Key] = field(default_factory=list)
+    restrictions: list[str] | None = None
+    retries: int = 0
+
+
+@dataclass
+class UpdateGraphEvent(Event):
+    client: str
+    tasks: list[NewTask]
+    #: keys the client holds futures for
+    wanted: list[Key]
+
+
+@dataclass
+class TaskFinishedEvent(Event):
+    worker: str
+    key: Key
+    nbytes: int = 0
+    #: seconds the task ran on the worker
+    duration: float = 0.0
+
+
+@dataclass
+class TaskErredEvent(Event):
+    worker: str
+    key: Key
+    exception: Any = None
+    traceback: Any = None
+    exception_text: str = ""
+
+
+@dataclass
+class ReleaseKeysEvent(Event):
+    """A client no longer holds futures for these keys."""
+
+    client: str
+    keys: list[Key]
+
+
+@dataclass
+class CancelKeysEvent(Event):
+    """A client cancels these keys: released, and its futures learn they were cancelled."""
+
+    client: str
+    keys: list[Key]
+
+
+@dataclass
+class UpdateDataEvent(Event):
+    """Values placed directly on workers (``scatter``): ``{key: [worker, ...]}``."""
+
+    client: str
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+
+
+@dataclass
+class MissingDataEvent(Event):
+    """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
+
+    key: Key
+    errant_worker: str
+
+
+@dataclass
+class RescheduleEvent(Event):
+    """A worker gives a task back (e.g. its inputs could not be fetched)."""
+
+    worker: str
+    key: Key
+
+
+# ------------------------------------------------------------------------ instructions
+
+
+@dataclass
+class Instruction:
+    stimulus_id: str
+
+
+@dataclass
+class ComputeTask(Instruction):
+    worker: str
+    key: Key
+    payload: Any
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+    priority: tuple[int, ...]
+
+
+@dataclass
+class FreeKeys(Instruction):
+    worker: str
+    keys: list[Key]
+
+
+@dataclass
+class ClientMsg(Instruction):
+    client: str
+    msg: dict[str, Any]
+
+
+# -------------------------------------------------------------------------- the state
+
+
+class SchedulerState:
+    """Tasks, workers and clients; ``handle(*events) -> list[instruction]``."""
+
+    def __init__(self, ahead: int = DEFAULT_AHEAD, allowed_failures: int = ALLOWED_FAILURES, log_size: int = 10_000):
+        self.tasks: dict[Key, TaskState] = {}
+        self.workers: dict[str, WorkerState] = {}
+        self.clients: set[str] = set()
+        self.ahead = ahead
+        #: the most tasks per thread a worker is given ahead, however short they are
+        self.max_ahead = 50
+        #: seconds a worker's refill (finished -> scheduler -> new task) takes, roughly
+        self.refill_seconds = 0.004
+        #: moving average of task run times (seconds), reported by workers
+        self.average_duration = 0.0
+        self.allowed_failures = allowed_failures
+        self.queued: list[TaskState] = []  # heap by priority
+        self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
+        self._generation = itertools.count()
+        self._instructions: list[Instruction] = []
+        self._stimulus = ""
+        #: how many payloads this scheduler deserialized (it never does: tests assert 0)
+        self.payload_deserializations = 0
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddWorkerEvent: self._add_worker,
+            RemoveWorkerEvent: self._remove_worker,
+            AddClientEvent: self._add_client,
+            RemoveClientEvent: self._remove_client,
+            UpdateGraphEvent: self._update_graph,
+            TaskFinishedEvent: self._task_finished,
+            TaskErredEvent: self._task_erred,
+            ReleaseKeysEvent: self._release_keys,
+            CancelKeysEvent: self._cancel_keys,
+            UpdateDataEvent: self._update_data,
+            MissingDataEvent: self._missing_data,
+            RescheduleEvent: self._reschedule,
+        }
+
+    # -- entry point
+
+    def handle(self, *events: Event) -> list[Instruction]:
+        """Apply events in order; return the instructions they produce."""
+        out: list[Instruction] = []
+        for event in events:
+            self._stimulus = event.stimulus_id
+            self._instructions = out
+            self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
+            self._handlers[type(event)](event)
+            if self.queued:
+                # slots may have opened anywhere (finished, cancelled, released tasks)
+                self._fill_all()
+        self._instructions = []
+        return out
+
+    # -- events
+
+    def _add_worker(self, ev: AddWorkerEvent) -> None:
+        if ev.address in self.workers:
+            return
+        if ev.nthreads < 1:
+            raise ValueError(f"worker {ev.address} has {ev.nthreads} threads")
+        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name)
+        # tasks that failed for want of this worker, or were waiting for any worker
+        self._fill(self.workers[ev.address])
+
+    def _remove_worker(self, ev: RemoveWorkerEvent) -> None:
+        ws = self.workers.pop(ev.address, None)
+        if ws is None:
+            return
+        recs: dict[TaskState, str] = {}
+        for ts in sorted(ws.processing):
+            ws.processing.discard(ts)
+            ts.processing_on = None
+            ts.state = "released"
+            if ev.crashed:
+                ts.suspicious += 1
+            if ts.suspicious >= self.allowed_failures:
+                recs.update(self._err(
+                    ts,
+                    exception=None,
+                    traceback=None,
+                    text=(
+                        f"KilledWorker: task {ts.key!r} was running on {ts.suspicious} workers "
+                        f"that died (the last: {ws.address}); it is not retried again"
+                    ),
+                    kind="KilledWorker",
+                ))
+            else:
+                recs[ts] = "waiting"
+        for ts in sorted(ws.has_what):
+            ts.who_has.discard(ws)
+            if not ts.who_has and ts.state == "memory":
+                self._lost_value(ts, recs)
+        ws.has_what.clear()
+        # queued tasks that may only run on workers that are all gone now
+        for ts in sorted(self.queued):
+            if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+                self._dequeue(ts)
+                recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
+        self._recommend(recs)
+
+    def _add_client(self, ev: AddClientEvent) -> None:
+        self.clients.add(ev.client)
+
+    def _remove_client(self, ev: RemoveClientEvent) -> None:
+        self.clients.discard(ev.client)
+        keys = [ts.key for ts in self.tasks.values() if ev.client in ts.who_wants]
+        self._release_keys(ReleaseKeysEvent(ev.stimulus_id, ev.client, keys))
+
+    def _update_graph(self, ev: UpdateGraphEvent) -> None:
+        new = {t.key: t for t in ev.tasks if t.key not in self.tasks}
+        # check before changing anything: unknown dependencies, cycles
+        for t in new.values():
+            for dep in t.dependencies:
+                if dep not in new and dep not in self.tasks:
+                    self._refuse_graph(ev, f"task {t.key!r} depends on unknown key {dep!r}")
+                    return
+        cycle = _find_cycle(new)
+        if cycle:
+            self._refuse_graph(ev, "the graph has a cycle: " + " -> ".join(map(repr, cycle)))
+            return
+        generation = next(self._generation)
+        order = _topological(new)
+        created: list[TaskState] = []
+        for i, key in enumerate(order):
+            t = new[key]
+            ts = TaskState(key, payload=t.payload, priority=(generation, i), retries=t.retries)
+            if t.restrictions is not None:
+                ts.restrictions = set(t.restrictions)
+            self.tasks[key] = ts
+            created.append(ts)
+        for ts in created:
+            for dep_key in new[ts.key].dependencies:
+                dep = self.tasks[dep_key]
+                ts.dependencies.add(dep)
+                dep.dependents.add(ts)
+        for key in ev.wanted:
+            ts = self.tasks.get(key)
+            if ts is not None:
+                ts.who_wants.add(ev.client)
+        self.clients.add(ev.client)
+        recs: dict[TaskState, str] = {}
+        for ts in created:
+            if ts.state != "released":
+                continue  # erred already, with a dependency that cannot run
+            if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+                recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
+                continue
+            recs[ts] = "waiting"
+        # wanted keys that already existed: tell the client now, or compute them again
+        for key in ev.wanted:
+            ts = self.tasks.get(key)
+            if ts is None or key in new:
+                continue
+            if ts.state == "memory":
+                self._to_clients(ts, self._in_memory_msg(ts), only=ev.client)
+            elif ts.state == "erred":
+                self._report_error(ts, only=ev.client)
+            elif ts.state == "released":
+                recs[ts] = "waiting"
+        self._recommend(recs)
+
+    def _refuse_graph(self, ev: UpdateGraphEvent, reason: str) -> None:
+        for key in ev.wanted:
+            self._emit(ClientMsg(self._stimulus, ev.client, {
+                "op": "task-erred", "key": key, "exception": None, "traceback": None,
+                "text": f"GraphError: {reason}", "kind": "GraphError", "blame": key,
+            }))
+
+    def _task_finished(self, ev: TaskFinishedEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ws is None:
+            return
+        if ts is None or ts.state not in ("processing", "memory") or (ts.state == "processing" and ts.processing_on is not ws):
+            # a result nobody wants any more (released or moved meanwhile)
+            if ts is None or ws not in ts.who_has:
+                self._emit(FreeKeys(self._stimulus, ws.address, [ev.key]))
+            return
+        self._record_duration(ev.duration)
+        if ts.state == "memory":
+            self._add_replica(ts, ws)
+            return
+        ts.nbytes = ev.nbytes
+        self._recommend(self._transition(ts, "memory", ws))
+
+    def _task_erred(self, ev: TaskErredEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
+            return
+        if ts.retries > 0:
+            ts.retries -= 1
+            self._recommend(self._transition(ts, "waiting"))
+        else:
+            self._recommend(self._transition(ts, "erred", ev.exception, ev.traceback, ev.exception_text))
+
+    def _release_keys(self, ev: ReleaseKeysEvent) -> None:
+        recs: dict[TaskState, str] = {}
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None:
+                continue
+            ts.who_wants.discard(ev.client)
+            if not ts.who_wants and not ts.waiters:
+                recs[ts] = "forgotten"
+        self._recommend(recs)
+
+    def _cancel_keys(self, ev: CancelKeysEvent) -> None:
+        recs: dict[TaskState, str] = {}
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None:
+                continue
+            # a value in memory is only released; otherwise the client's futures on this
+            # task and on everything built on it are cancelled
+            for dts in [ts] if ts.state == "memory" else [ts, *_dependents_closure(ts)]:
+                if ev.client in dts.who_wants:
+                    dts.who_wants.discard(ev.client)
+                    self._emit(ClientMsg(self._stimulus, ev.client, {"op": "cancelled-key", "key": dts.key}))
+                if not dts.who_wants:
+                    # tasks other clients still need keep their waiters: "forgotten" skips them
+                    recs[dts] = "forgotten"
+        self._recommend(recs)
+
+    def _update_data(self, ev: UpdateDataEvent) -> None:
+        self.clients.add(ev.client)
+        recs: dict[TaskState, str] = {}
+        for key, addresses in ev.who_has.items():
+            workers = [self.workers[a] for a in addresses if a in self.workers]
+            if not workers:
+                continue
+            ts = self.tasks.get(key)
+            if ts is None:
+                ts = self.tasks[key] = TaskState(key, priority=(next(self._generation), 0))
+            ts.who_wants.add(ev.client)
+            if ts.state == "processing":
+                # a task is computing this key already: keep it; it will report the value,
+                # and copies elsewhere are not needed
+                for ws in workers:
+                    if ws is not ts.processing_on:
+                        self._emit(FreeKeys(self._stimulus, ws.address, [key]))
+                continue
+            if ts.state == "memory":
+                for ws in workers:
+                    self._add_replica(ts, ws)
+                continue
+            if ts.state != "released":
+                # waiting, queued or erred: the value is here now, stop computing it
+                recs.update(self._transition(ts, "released"))
+            ts.nbytes = ev.nbytes.get(key, 0)
+            ts.state = "memory"
+            for ws in workers:
+                self._add_replica(ts, ws)
+            recs.update(self._on_memory(ts))
+        self._recommend(recs)
+
+    def _missing_data(self, ev: MissingDataEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.errant_worker)
+        if ts is None or ws is None or ws not in ts.who_has:
+            return
+        ts.who_has.discard(ws)
+        ws.has_what.discard(ts)
+        ws.nbytes -= max(ts.nbytes, 0)
+        if not ts.who_has and ts.state == "memory":
+            recs: dict[TaskState, str] = {}
+            self._lost_value(ts, recs)
+            self._recommend(recs)
+
+    def _reschedule(self, ev: RescheduleEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
+            return
+        self._recommend(self._transition(ts, "waiting"))
+
+    # -- transitions
+
+    def _recommend(self, recs: dict[TaskState, str]) -> None:
+        """Carry out recommendations, and those they lead to, until none are left.
+
+        First in, first out: recommendations are made in priority order (a graph's tasks,
+        a finished task's dependents), so that is the order tasks go to workers in. A
+        task may be recommended twice (say "processing", then "forgotten", which is
+        skipped if a dependent still waits for it): each recommendation is kept, and
+        one that no longer fits the task's state is dropped.
+        """
+        pending = deque(recs.items())
+        while pending:
+            ts, finish = pending.popleft()
+            if ts.state in ("forgotten", finish):
+                continue
+            if finish == "processing" and (ts.state != "waiting" or ts.waiting_on):
+                continue  # moved on since: erred, released, or waiting on a lost input
+            if finish == "waiting" and ts.state != "released":
+                continue  # already on its way, or erred
+            pending.extend(self._transition(ts, finish).items())
+
+    def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
+        start = ts.state
+        if start == finish:
+            return {}
+        if finish == "forgotten" and start != "released" and (ts.who_wants or ts.waiters):
+            # recommended when nobody needed it; a client or a dependent has come back since
+            return {}
+        func = _TRANSITIONS.get((start, finish))
+        if func is None:
+            # multi-step routes through released
+            if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
+                more = self._transition(ts, "released")
+                return {**more, ts: "forgotten"} if ts.state == "released" else more
+            if finish == "waiting" and start in ("memory", "erred"):
+                # ts first: its inputs, recommended "forgotten" on the way, are needed again
+                more = self._transition(ts, "released")
+                return {ts: "waiting", **more}
+            raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
+        return func(self, ts, *args) or {}
+
+    def _released_waiting(self, ts: TaskState) -> dict[TaskState, str]:
+        if ts.payload is None:
+            # data put on workers directly (scatter) cannot be recomputed
+            return self._err(ts, None, None, f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed", kind="LostData")
+        recs: dict[TaskState, str] = {}
+        ts.state = "waiting"
+        ts.waiting_on = set()
+        for dep in sorted(ts.dependencies):
+            if dep.state == "erred":
+                blame = dep.exception_blame or dep
+                return self._err(ts, blame.exception, blame.traceback, blame.exception_text, blame=blame)
+        for dep in sorted(ts.dependencies):
+            dep.waiters.add(ts)
+            if dep.state != "memory":
+                ts.waiting_on.add(dep)
+                if dep.state == "released":
+                    recs[dep] = "waiting"
+        if not ts.waiting_on:
+            recs[ts] = "processing"
+        return recs
+
+    def _waiting_processing(self, ts: TaskState) -> dict[TaskState, str]:
+        if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+            return self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError")
+        ws = self._decide_worker(ts)
+        if ws is None:
+            ts.state = "queued"
+            heapq.heappush(self.queued, ts)
+            return {}
+        self._send_to(ts, ws)
+        return {}
+
+    def _queued_processing(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
+        self._send_to(ts, ws)
+        return {}
+
+    def _processing_waiting(self, ts: TaskState) -> dict[TaskState, str]:
+        """Run it again (a retry, or the worker gave it back); its inputs stay where they are."""
+        ws = ts.processing_on
+        assert ws is not None
+        ws.processing.discard(ts)
+        ts.processing_on = None
+        ts.state = "released"
+        return self._released_waiting(ts)
+
+    def _send_to(self, ts: TaskState, ws: WorkerState) -> None:
+        ts.state = "processing"
+        ts.processing_on = ws
+        ws.processing.add(ts)
+        self._emit(ComputeTask(
+            self._stimulus, ws.address, ts.key, ts.payload,
+            {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
+            {d.key: d.nbytes for d in sorted(ts.dependencies)},
+            ts.priority,
+        ))
+
+    def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
+        assert ts.processing_on is not None
+        ts.processing_on.processing.discard(ts)
+        ts.processing_on = None
+        ts.state = "memory"
+        self._add_replica(ts, ws)
+        return self._on_memory(ts)
+
+    def _on_memory(self, ts: TaskState) -> dict[TaskState, str]:
+        recs: dict[TaskState, str] = {}
+        for dts in sorted(ts.dependents):
+            if ts in dts.waiting_on:
+                dts.waiting_on.discard(ts)
+                if not dts.waiting_on and dts.state == "waiting":
+                    recs[dts] = "processing"
+        ts.waiting_on.clear()
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        if ts.who_wants:
+            self._to_clients(ts, self._in_memory_msg(ts))
+        elif not ts.waiters:
+            recs[ts] = "forgotten"
+        return recs
+
+    def _processing_erred(self, ts: TaskState, exception: Any, traceback: Any, text: str) -> dict[TaskState, str]:
+        assert ts.processing_on is not None
+        ts.processing_on.processing.discard(ts)
+        ts.processing_on = None
+        return self._err(ts, exception, traceback, text)
+
+    def _to_released(self, ts: TaskState) -> dict[TaskState, str]:
+        start = ts.state
+        recs: dict[TaskState, str] = {}
+        if start == "processing":
+            ws = ts.processing_on
+            assert ws is not None
+            ws.processing.discard(ts)
+            ts.processing_on = None
+            self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
+        elif start == "queued":
+            self._dequeue(ts)
+        elif start == "memory":
+            for ws in sorted(ts.who_has, key=lambda w: w.address):
+                ws.has_what.discard(ts)
+                ws.nbytes -= max(ts.nbytes, 0)
+                self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
+            ts.who_has.clear()
+        elif start == "erred":
+            ts.exception = ts.traceback = ts.exception_blame = None
+            ts.exception_text = ""
+            ts.error_kind = ""
+        ts.state = "released"
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        ts.waiting_on.clear()
+        # dependents still to run must wait for this value again
+        for dts in ts.dependents:
+            if dts.state == "waiting":
+                dts.waiting_on.add(ts)
+        return recs
+
+    def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
+        if any(d.state in ("waiting", "queued", "processing") for d in ts.dependents):
+            # a dependent still has to run: compute this again
+            return {ts: "waiting"}
+        if ts.who_wants or any(d.state != "forgotten" for d in ts.dependents):
+            return {}  # still needed by a client or by a dependent's record
+        recs: dict[TaskState, str] = {}
+        ts.state = "forgotten"
+        del self.tasks[ts.key]
+        for dep in sorted(ts.dependencies):
+            dep.dependents.discard(ts)
+            dep.waiters.discard(ts)
+            if not dep.dependents and not dep.who_wants and dep.state in ("released", "erred", "memory"):
+                recs[dep] = "forgotten"
+        ts.dependencies.clear()
+        return recs
+
+    # -- helpers
+
+    def _err(self, ts: TaskState, exception: Any, traceback: Any, text: str, blame: TaskState | None = None, kind: str = "") -> dict[TaskState, str]:
+        """Mark ``ts`` and every dependent erred; tell the clients that want them.
+
+        Returns recommendations: inputs nobody needs any more are forgotten, and so is
+        ``ts`` if nobody wants it.
+        """
+        ts.state = "erred"
+        ts.exception, ts.traceback, ts.exception_text = exception, traceback, text
+        ts.exception_blame = blame or ts
+        ts.error_kind = kind
+        ts.waiting_on.clear()
+        recs: dict[TaskState, str] = {}
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        self._report_error(ts)
+        for dts in sorted(ts.dependents):
+            if dts.state in ("waiting", "queued", "processing", "released"):
+                if dts.state == "queued":
+                    self._dequeue(dts)
+                elif dts.state == "processing" and dts.processing_on is not None:
+                    dts.processing_on.processing.discard(dts)
+                    self._emit(FreeKeys(self._stimulus, dts.processing_on.address, [dts.key]))
+                    dts.processing_on = None
+                recs.update(self._err(dts, exception, traceback, text, blame=ts.exception_blame, kind=kind))
+        if not ts.who_wants and not ts.dependents:
+            recs[ts] = "forgotten"
+        return recs
+
+    def _no_worker_text(self, ts: TaskState) -> str:
+        assert ts.restrictions is not None
+        return (f"ValueError: task {ts.key!r} may only run on workers={sorted(ts.restrictions)}, and no such "
+                f"worker is in the cluster; the workers are {sorted(self.workers)}")
+
+    def _dequeue(self, ts: TaskState) -> None:
+        self.queued.remove(ts)
+        heapq.heapify(self.queued)
+
+    def _report_error(self, ts: TaskState, only: str | None = None) -> None:
+        blame = ts.exception_blame or ts
+        self._to_clients(ts, {
+            "op": "task-erred",
+            "key": ts.key,
+            "exception": ts.exception,
+            "traceback": ts.traceback,
+            "text": ts.exception_text,
+            "kind": blame.error_kind or ts.error_kind,
+            "blame": blame.key,
+        }, only=only)
+
+    def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
+        return {"op": "key-in-memory", "key": ts.key, "nbytes": ts.nbytes,
+                "workers": sorted(ws.address for ws in ts.who_has)}
+
+    def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
+        """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""
+        ts.state = "released"
+        for dts in ts.dependents:
+            if dts.state == "waiting":
+                dts.waiting_on.add(ts)
+            elif dts.state == "queued":
+                self._dequeue(dts)
+                dts.state = "waiting"
+                dts.waiting_on = {d for d in dts.dependencies if d.state != "memory"}
+            # a processing dependent stays: its worker may have the value already, and
+            # gives the task back (reschedule) if it cannot get it
+        if ts.waiters or ts.who_wants:
+            for client in sorted(ts.who_wants):
+                self._emit(ClientMsg(self._stimulus, client, {"op": "lost-key", "key": ts.key}))
+            recs[ts] = "waiting"
+        else:
+            recs[ts] = "forgotten"
+
+    def _add_replica(self, ts: TaskState, ws: WorkerState) -> None:
+        if ws not in ts.who_has:
+            ts.who_has.add(ws)
+            ws.has_what.add(ts)
+            ws.nbytes += max(ts.nbytes, 0)
+
+    def _to_clients(self, ts: TaskState, msg: dict[str, Any], only: str | None = None) -> None:
+        for client in ([only] if only is not None else sorted(ts.who_wants)):
+            self._emit(ClientMsg(self._stimulus, client, msg))
+
+    def _emit(self, instruction: Instruction) -> None:
+        self._instructions.append(instruction)
+
+    def _capacity(self, ws: WorkerState) -> int:
+        return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing)
+
+    def _ahead_per_thread(self) -> int:
+        """Tasks a worker holds beyond one per thread: enough to stay busy for the time
+        a refill takes (short tasks need more), at least ``ahead``, at most ``max_ahead``."""
+        avg = self.average_duration
+        if avg <= 0:
+            return self.ahead
+        return max(self.ahead, min(self.max_ahead, int(self.refill_seconds / avg)))
+
+    def _record_duration(self, duration: float) -> None:
+        if duration > 0:
+            avg = self.average_duration
+            self.average_duration = duration if avg <= 0 else 0.9 * avg + 0.1 * duration
+
+    def _decide_worker(self, ts: TaskState) -> WorkerState | None:
+        """The worker with room that holds the most input bytes; then the least busy."""
+        if ts.restrictions is not None:
+            candidates: Iterable[WorkerState] = (self.workers[a] for a in ts.restrictions if a in self.workers)
+        else:
+            candidates = self.workers.values()
+        best: WorkerState | None = None
+        best_score: tuple[float, float, str] | None = None
+        for ws in candidates:
+            if self._capacity(ws) <= 0:
+                continue
+            local = sum(max(d.nbytes, 1) for d in ts.dependencies if ws in d.who_has) if ts.dependencies else 0
+            score = (-local, len(ws.processing) / ws.nthreads, ws.address)
+            if best_score is None or score < best_score:
+                best, best_score = ws, score
+        return best
+
+    def _fill(self, ws: WorkerState) -> None:
+        """Give queued tasks to ``ws`` while it has room."""
+        if not self.queued:
+            return
+        skipped: list[TaskState] = []
+        while self.queued and self._capacity(ws) > 0:
+            ts = heapq.heappop(self.queued)
+            if ts.restrictions is not None and ws.address not in ts.restrictions:
+                skipped.append(ts)
+                continue
+            self._recommend(self._transition(ts, "processing", ws))
+        for ts in skipped:
+            heapq.heappush(self.queued, ts)
+
+    def _fill_all(self) -> None:
+        for ws in list(self.workers.values()):
+            self._fill(ws)
+
+    # -- inspection
+
+    def validate(self) -> None:
+        """Check every invariant; raise ``AssertionError`` on the first broken one."""
+        for key, ts in self.tasks.items():
+            assert ts.key == key
+            assert ts.state in _STATES, ts
+            if ts.state == "memory":
+                assert ts.who_has, f"{ts} in memory on no worker"
+                assert ts.who_wants or ts.waiters, f"{ts} in memory, but nobody needs it"
+            else:
+                assert not ts.who_has, f"{ts} not in memory but held by {ts.who_has}"
+            if ts.state == "processing":
+                ws = ts.processing_on
+                assert ws is not None and ts in ws.processing, ts
+                assert self.workers.get(ws.address) is ws, ts
+                assert ts.restrictions is None or ws.address in ts.restrictions, ts
+            else:
+                assert ts.processing_on is None, ts
+            if ts.state == "queued":
+                assert ts in self.queued
+                assert all(d.state == "memory" for d in ts.dependencies), ts
+            if ts.state == "waiting":
+                assert ts.waiting_on, f"{ts} waits on nothing"
+                assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
+                assert all(d.state in ("waiting", "queued", "processing") for d in ts.waiting_on), ts
+            else:
+                assert not ts.waiting_on, ts
+            if ts.state in ("released", "erred"):
+                assert ts.who_wants or ts.dependents, f"{ts} is needed by nobody: it should be forgotten"
+            if ts.state == "released":
+                assert not ts.waiters, ts
+            assert ts.waiters == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
+            if ts.state == "erred":
+                assert ts.exception_blame is not None, ts
+            for dep in ts.dependencies:
+                assert ts in dep.dependents
+                assert self.tasks.get(dep.key) is dep, f"{ts} depends on forgotten {dep}"
+            for dts in ts.dependents:
+                assert ts in dts.dependencies
+                assert self.tasks.get(dts.key) is dts, f"{ts} has forgotten dependent {dts}"
+            for ws in ts.who_has:
+                assert ts in ws.has_what and self.workers.get(ws.address) is ws
+        assert len(self.queued) == len(set(self.queued))
+        for ts in self.queued:
+            assert ts.state == "queued" and self.tasks.get(ts.key) is ts
+            # no worker it may run on has room
+            for ws in self.workers.values():
+                if ts.restrictions is None or ws.address in ts.restrictions:
+                    assert self._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
+        for ws in self.workers.values():
+            assert len(ws.processing) <= ws.nthreads * (1 + max(self.ahead, self.max_ahead)), ws
+            for ts in ws.processing:
+                assert ts.processing_on is ws and ts.state == "processing"
+            for ts in ws.has_what:
+                assert ws in ts.who_has
+            assert ws.nbytes == sum(max(ts.nbytes, 0) for ts in ws.has_what), ws
+
+    def task_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for ts in self.tasks.values():
+            counts[ts.state] = counts.get(ts.state, 0) + 1
+        return counts
+
+
+_STATES = {"released", "waiting", "queued", "processing", "memory", "erred"}
+#: states that hold a value or will compute one: worth forgetting once nobody needs them
+_ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})
+
+_TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
+    ("released", "waiting"): SchedulerState._released_waiting,
+    ("waiting", "processing"): SchedulerState._waiting_processing,
+    ("queued", "processing"): SchedulerState._queued_processing,
+    ("processing", "memory"): SchedulerState._processing_memory,
+    ("processing", "erred"): SchedulerState._processing_erred,
+    ("processing", "waiting"): SchedulerState._processing_waiting,
+    ("waiting", "released"): SchedulerState._to_released,
+    ("queued", "released"): SchedulerState._to_released,
+    ("processing", "released"): SchedulerState._to_released,
+    ("memory", "released"): SchedulerState._to_released,
+    ("erred", "released"): SchedulerState._to_released,
+    ("released", "forgotten"): SchedulerState._released_forgotten,
+}
+
+
+def _dependents_closure(ts: TaskState) -> list[TaskState]:
+    out: list[TaskState] = []
+    seen = {ts}
+    stack = list(ts.dependents)
+    while stack:
+        d = stack.pop()
+        if d in seen:
+            continue
+        seen.add(d)
+        out.append(d)
+        stack.extend(d.dependents)
+    return out
+
+
+def _find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:
+    """A cycle among ``tasks`` (as a list of keys), or ``[]``."""
+    color: dict[Key, int] = {}
+    for root in tasks:
+        if root in color:
+            continue
+        stack: list[tuple[Key, Iterable[Key]]] = [(root, iter(tasks[root].dependencies))]
+        path = [root]
+        color[root] = 1
+        while stack:
+            key, deps = stack[-1]
+            for dep in deps:
+                if dep not in tasks:
+                    continue
+                c = color.get(dep, 0)
+                if c == 1:
+                    return path[path.index(dep):] + [dep]
+                if c == 0:
+                    color[dep] = 1
+                    path.append(dep)
+                    stack.append((dep, iter(tasks[dep].dependencies)))
+                    break
+            else:
+                color[key] = 2
+                path.pop()
+                stack.pop()
+    return []
+
+
+def _topological(tasks: dict[Key, NewTask]) -> list[Key]:
+    """Keys with dependencies first, otherwise in submission order."""
+    out: list[Key] = []
+    done: set[Key] = set()
+    for root in tasks:
+        if root in done:
+            continue
+        stack: list[tuple[Key, Any]] = [(root, iter(tasks[root].dependencies))]
+        while stack:
+            key, deps = stack[-1]
+            for dep in deps:
+                if dep in tasks and dep not in done:
+                    stack.append((dep, iter(tasks[dep].dependencies)))
+                    break
+            else:
+                stack.pop()
+                if key not in done:
+                    done.add(key)
+                    out.append(key)
+    return out

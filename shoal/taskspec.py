@@ -1,0 +1,265 @@
+"""Tasks as the client builds them and workers run them.
+
+``Task(key, func, args, kwargs)`` calls ``func``; arguments may hold constants,
+``Ref(key)`` (the value of another task) and nested ``Task``\\ s (run inline). The client
+normalizes each submitted task into its key, its dependency keys and one opaque payload
+(:class:`RunSpec`: function plus arguments with ``Ref`` placeholders); the scheduler
+reads keys and dependencies only, and never deserializes a payload.
+
+A :class:`RunSpec` is serialized by its own family: the function through the function
+cache (``dumps_function``/``loads_function``) and the arguments with pickle protocol 5,
+so a worker that receives the same function a thousand times unpickles it once. Over an
+in-process comm a RunSpec is not serialized at all.
+
+Dask graphs (dicts of legacy tuple tasks, key references and nested containers, and
+dask's task-spec classes) convert to this spec with :func:`convert_dask_graph`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import uuid
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
+
+from .errors import GraphError
+from .protocol import (
+    Serialize,
+    Serialized,
+    dumps_function,
+    loads_function,
+    register_serializer,
+    unwrap,
+)
+from .protocol.serialize import pickle_dumps
+
+__all__ = [
+    "Ref",
+    "Task",
+    "RunSpec",
+    "tokenize",
+    "key_name",
+    "find_refs",
+    "substitute",
+    "run",
+    "validate_key",
+    "GraphError",
+]
+
+Key = Hashable
+
+
+class Ref:
+    """A placeholder for the value of the task ``key``."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Key):
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Ref({self.key!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ref) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(("Ref", self.key))
+
+    def __reduce__(self) -> Any:
+        return (Ref, (self.key,))
+
+
+class Task:
+    """``func(*args, **kwargs)`` with ``Ref``\\ s and nested tasks inside the arguments."""
+
+    __slots__ = ("key", "func", "args", "kwargs")
+
+    def __init__(self, key: Key, func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
+        if not callable(func):
+            raise TypeError(f"a task's function must be callable, got {type(func).__name__}")
+        self.key = key
+        self.func = func
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+
+    def __repr__(self) -> str:
+        return f"Task({self.key!r}, {getattr(self.func, '__name__', self.func)!r})"
+
+    def __reduce__(self) -> Any:
+        return (Task, (self.key, self.func, self.args, self.kwargs))
+
+    def dependencies(self) -> set[Key]:
+        deps: set[Key] = set()
+        find_refs(self.args, deps)
+        find_refs(self.kwargs, deps)
+        return deps
+
+
+class RunSpec:
+    """What a worker runs for one task: ``func(*args, **kwargs)`` after ``Ref``\\ s are
+    replaced by dependency values. The scheduler carries it opaque."""
+
+    __slots__ = ("func", "args", "kwargs")
+
+    def __init__(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs or {}
+
+    def __repr__(self) -> str:
+        return f"RunSpec({getattr(self.func, '__name__', self.func)!r})"
+
+    def __reduce__(self) -> Any:
+        return (RunSpec, (self.func, self.args, self.kwargs))
+
+
+_function_bytes: dict[Any, bytes] = {}
+
+
+def _dumps_function_cached(func: Callable[..., Any]) -> bytes:
+    try:
+        data = _function_bytes.get(func)
+    except TypeError:  # unhashable callable
+        return dumps_function(func)
+    if data is None:
+        data = dumps_function(func)
+        if len(_function_bytes) > 1000:
+            _function_bytes.clear()
+        try:
+            _function_bytes[func] = data
+        except TypeError:
+            pass
+    return data
+
+
+def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], list[Any]]:
+    from pickle import PickleBuffer
+
+    buffers: list[PickleBuffer] = []
+    args = pickle_dumps((spec.args, spec.kwargs), buffer_callback=buffers.append)
+    return {}, [_dumps_function_cached(spec.func), args, *(b.raw() for b in buffers)]
+
+
+def _runspec_loads(header: dict[str, Any], frames: Any) -> RunSpec:
+    import pickle
+
+    func = loads_function(frames[0])
+    args, kwargs = pickle.loads(frames[1], buffers=frames[2:])
+    return RunSpec(func, args, kwargs)
+
+
+register_serializer(RunSpec, _runspec_dumps, _runspec_loads, name="shoal.runspec")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def find_refs(obj: Any, out: set[Key]) -> None:
+    """Add the keys of every ``Ref`` inside ``obj`` (and nested tasks) to ``out``."""
+    typ = type(obj)
+    if typ is Ref:
+        out.add(obj.key)
+    elif typ is Task:
+        find_refs(obj.args, out)
+        find_refs(obj.kwargs, out)
+    elif typ in (list, tuple, set, frozenset):
+        for v in obj:
+            find_refs(v, out)
+    elif typ is dict:
+        for v in obj.values():
+            find_refs(v, out)
+
+
+def substitute(obj: Any, values: Mapping[Key, Any]) -> Any:
+    """``obj`` with every ``Ref`` replaced by its value and nested tasks run."""
+    typ = type(obj)
+    if typ is Ref:
+        return values[obj.key]
+    if typ is Task:
+        return obj.func(*substitute(obj.args, values), **substitute(obj.kwargs, values))
+    if typ is list:
+        return [substitute(v, values) for v in obj]
+    if typ is tuple:
+        return tuple(substitute(v, values) for v in obj)
+    if typ is dict:
+        return {k: substitute(v, values) for k, v in obj.items()}
+    if typ in (set, frozenset):
+        return typ(substitute(v, values) for v in obj)
+    if typ is Serialize or typ is Serialized:
+        return unwrap(obj)
+    return obj
+
+
+def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
+    """Run a task's spec with its dependencies' values."""
+    args = substitute(spec.args, values)
+    kwargs = substitute(spec.kwargs, values)
+    return spec.func(*args, **kwargs)
+
+
+def validate_key(key: Any) -> Key:
+    """Keys are str, bytes, int, float or tuples of these; raise ``TypeError`` otherwise."""
+    typ = type(key)
+    if typ in (str, bytes, int, float):
+        return key
+    if typ is tuple and all(validate_key(k) is not None for k in key):
+        return key
+    raise TypeError(f"a task key must be str, bytes, int, float or a tuple of these, got {key!r:.80}")
+
+
+def key_name(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return "lambda" if name == "<lambda>" else name
+
+
+# ------------------------------------------------------------------------ tokenizing
+
+_unique = itertools.count()
+_PROCESS_TOKEN = uuid.uuid4().hex
+
+
+def tokenize(*parts: Any) -> str:
+    """A deterministic hex token for values, computed without pickling them.
+
+    Plain data, numpy arrays and futures hash by content; an object of another type
+    hashes by identity (same object, same token), which keeps unpicklable arguments
+    (locks, open files) usable with ``pure=True``.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    _feed(h, parts, 0)
+    return h.hexdigest()
+
+
+def _feed(h: Any, obj: Any, depth: int) -> None:
+    typ = type(obj)
+    if obj is None or typ in (bool, int, float, complex, str):
+        h.update(f"{typ.__name__}:{obj!r};".encode())
+    elif typ is bytes:
+        h.update(b"b%d:" % len(obj))
+        h.update(obj)
+    elif typ in (list, tuple, set, frozenset, dict) and depth < 100:
+        h.update(f"{typ.__name__}[{len(obj)}".encode())
+        items: Iterable[Any] = obj.items() if typ is dict else (sorted(obj, key=repr) if typ in (set, frozenset) else obj)
+        for item in items:
+            _feed(h, item, depth + 1)
+        h.update(b"]")
+    elif hasattr(obj, "__dask_tokenize__"):
+        _feed(h, obj.__dask_tokenize__(), depth + 1)
+    elif typ.__module__ == "numpy" and typ.__name__ == "ndarray" and obj.dtype.hasobject is False:
+        h.update(f"ndarray:{obj.dtype.str}:{obj.shape}:".encode())
+        import numpy as np
+
+        h.update(memoryview(np.ascontiguousarray(obj)).cast("B"))
+    elif getattr(typ, "__shoal_future__", False):
+        h.update(f"future:{obj.key!r};".encode())
+    elif callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__") and "<" not in obj.__qualname__:
+        h.update(f"fn:{obj.__module__}.{obj.__qualname__};".encode())
+    else:
+        # by identity: deterministic for the same object within this process
+        h.update(f"id:{_PROCESS_TOKEN}:{id(obj)}:{typ.__qualname__};".encode())
+
+
+def unique_token() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,1 @@
+"""Workers: sans-IO state (:mod:`.state`) and the server that drives it (:mod:`.server`)."""

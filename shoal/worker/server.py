@@ -1,0 +1,301 @@
+"""The worker's IO: an event loop thread for comms, the state machine and serving data;
+executor threads for tasks.
+
+The loop never runs user code. Tasks run in a thread pool of ``nthreads`` threads;
+their payloads are deserialized there too (with the function cache), so a payload that
+cannot be deserialized fails that one task with the real exception. Peers' ``get-data``
+requests are served from the loop while tasks compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..comm import Comm, connect
+from ..comm.core import local_info
+from ..errors import CommError
+from ..protocol import SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
+from ..rpc import BatchedSend, ConnectionPool, Server
+from ..taskspec import RunSpec, run
+from .state import (
+    ComputeTaskEvent,
+    Execute,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDep,
+    GatherDepFailureEvent,
+    GatherDepSuccessEvent,
+    Instruction,
+    SendMsg,
+    UpdateDataEvent,
+    WorkerState,
+)
+
+__all__ = ["Worker"]
+
+logger = logging.getLogger("shoal.worker")
+
+
+class Worker:
+    """A worker that joins the scheduler at ``scheduler_address``."""
+
+    def __init__(self, scheduler_address: str, nthreads: int = 1, name: str = "",
+                 listen_address: str | None = None):
+        if nthreads < 1:
+            raise ValueError(f"nthreads must be at least 1, got {nthreads}")
+        self.scheduler_address = scheduler_address
+        self.nthreads = nthreads
+        self.name = name
+        if listen_address is None:
+            scheme = scheduler_address.split("://")[0] if "://" in scheduler_address else "tcp"
+            listen_address = "inproc://" if scheme == "inproc" else "tcp://127.0.0.1:0"
+        self.listen_address = listen_address
+        self.server = Server(
+            {
+                "get-data": self.get_data,
+                "update-data": self.update_data,
+                "run": self.run_function,
+                "identity": self.identity,
+                "transfer-stats": self.transfer_stats,
+            },
+            name=f"worker {name}",
+        )
+        self.state: WorkerState | None = None
+        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix=f"shoal-task{('-' + name) if name else ''}")
+        self.pool = ConnectionPool(limit=64)
+        self.stream: BatchedSend | None = None
+        self.scheduler_comm: Comm | None = None
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self.status = "created"
+        #: bytes of values this worker sent or received, by how they travelled
+        self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> Worker:
+        self.loop = asyncio.get_running_loop()
+        self._stopped = self.loop.create_future()
+        await self.server.listen(self.listen_address)
+        self.state = WorkerState(self.address, self.nthreads)
+        comm = await connect(self.scheduler_address, deserialize=False)
+        await comm.write({
+            "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
+            "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
+        })
+        reply = await comm.read()
+        if not isinstance(reply, dict) or reply.get("status") != "OK":
+            comm.abort()
+            await self.server.close()
+            raise RuntimeError(f"the scheduler refused this worker: {reply!r:.200}")
+        self.scheduler_comm = comm
+        self.stream = BatchedSend(name="to-scheduler")
+        self.stream.start(comm)
+        self._spawn(self._read_scheduler(comm))
+        self.status = "running"
+        return self
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _stimulus(self, what: str) -> str:
+        return f"{what}-{next(self._ids)}"
+
+    # -- the scheduler stream
+
+    async def _read_scheduler(self, comm: Comm) -> None:
+        try:
+            while True:
+                batch = await comm.read()
+                events = []
+                for msg in batch if isinstance(batch, list) else [batch]:
+                    op = msg.get("op") if isinstance(msg, dict) else None
+                    if op == "compute-task":
+                        events.append(ComputeTaskEvent(
+                            self._stimulus("compute"), msg["key"], msg.get("payload"),
+                            msg.get("who_has") or {}, msg.get("nbytes") or {},
+                            tuple(msg.get("priority") or (0,)),
+                        ))
+                    elif op == "free-keys":
+                        events.append(FreeKeysEvent(self._stimulus("free"), list(msg.get("keys") or ())))
+                    elif op == "close":
+                        self._apply(*events)
+                        await self.close(report=False)
+                        return
+                    else:
+                        logger.error("unknown op from the scheduler: %r", msg)
+                if events:
+                    self._apply(*events)
+        except CommError:
+            if self.status == "running":
+                logger.warning("lost the scheduler connection; shutting down")
+                await self.close(report=False)
+
+    # -- state machine driving
+
+    def _apply(self, *events: Any) -> None:
+        assert self.state is not None
+        for inst in self.state.handle(*events):
+            self._do(inst)
+
+    def _do(self, inst: Instruction) -> None:
+        if isinstance(inst, Execute):
+            self._execute(inst.key)
+        elif isinstance(inst, GatherDep):
+            self._spawn(self._gather_dep(inst))
+        elif isinstance(inst, SendMsg):
+            self._send(inst.msg)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self.stream is None:
+            return
+        try:
+            self.stream.send(msg)
+        except CommError:
+            pass
+
+    def _execute(self, key: Any) -> None:
+        assert self.state is not None and self.loop is not None
+        ts = self.state.tasks[key]
+        payload = ts.payload
+        deps = {d.key: self.state.data[d.key] for d in ts.dependencies if d.key in self.state.data}
+        loop = self.loop
+        destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+
+        def work() -> None:
+            try:
+                spec = payload
+                if isinstance(spec, Serialize):
+                    spec = spec.data
+                elif isinstance(spec, Serialized):
+                    spec = deserialize(spec)
+                if not isinstance(spec, RunSpec):
+                    raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
+                start = time.perf_counter()
+                value = run(spec, deps)
+                duration = time.perf_counter() - start
+            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                event: Any = ExecuteFailureEvent(
+                    f"task-erred-{key}", key, _exception_for(exc, destination),
+                    "".join(traceback.format_exception(exc)), f"{type(exc).__name__}: {exc}",
+                )
+            else:
+                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, sizeof(value), duration)
+            try:
+                loop.call_soon_threadsafe(self._apply, event)
+            except RuntimeError:
+                pass  # the worker's loop is gone
+
+        self.executor.submit(work)
+
+    async def _gather_dep(self, inst: GatherDep) -> None:
+        try:
+            comm = await self.pool.connect(inst.worker)
+            try:
+                await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
+                response = await comm.read()
+            except BaseException:
+                comm.abort()
+                raise
+            finally:
+                self.pool.reuse(inst.worker, comm)
+            if not isinstance(response, dict) or response.get("status") != "OK":
+                raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
+            data = response["result"]["data"]
+            nbytes = {k: sizeof(v) for k, v in data.items()}
+            self._apply(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("fetching %d keys from %s failed: %s", len(inst.keys), inst.worker, exc)
+            self._apply(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, str(exc)))
+
+    # -- rpc handlers
+
+    def identity(self, comm: Comm | None = None) -> dict[str, Any]:
+        return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
+                "pid": os.getpid(), "host": socket.gethostname()}
+
+    def _count(self, comm: Comm, nbytes: int) -> None:
+        self.transfers["inproc" if comm.destination == SAME_PROCESS else "tcp"] += nbytes
+
+    def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
+        assert self.state is not None
+        data = self.state.data
+        found = {k: data[k] for k in keys if k in data}
+        self._count(comm, sum(sizeof(v) for v in found.values()))
+        return {"data": {k: to_serialize(v) for k, v in found.items()}}
+
+    def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
+        return dict(self.transfers)
+
+    def update_data(self, comm: Comm, data: dict[Any, Any]) -> dict[str, Any]:
+        values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
+        nbytes = {k: sizeof(v) for k, v in values.items()}
+        self._count(comm, sum(nbytes.values()))
+        self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes))
+        return {"nbytes": nbytes}
+
+    async def run_function(self, comm: Comm, function: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(function, Serialize):
+            function = function.data
+        result = function(*(args or ()), **(kwargs or {}))
+        if asyncio.iscoroutine(result):
+            result = await result
+        return to_serialize(result)
+
+    # -- closing
+
+    async def close(self, report: bool = True) -> None:
+        if self.status in ("closing", "closed"):
+            return
+        self.status = "closing"
+        if self.stream is not None:
+            if report:
+                try:
+                    self.stream.send({"op": "unregister"})
+                except CommError:
+                    pass
+            await self.stream.close(timeout=2.0)
+        await self.server.close()
+        await self.pool.close()
+        for task in list(self._tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.state is not None:
+            self.state.data.clear()
+        self.status = "closed"
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+
+    async def finished(self) -> None:
+        """Wait until the worker has closed."""
+        assert self._stopped is not None
+        await asyncio.shield(self._stopped)
+
+
+def _exception_for(exc: BaseException, destination: str) -> Any:
+    """The exception as it can travel to the client: the object in-process, else
+    serialized now (so an unpicklable exception does not break the stream)."""
+    if destination == SAME_PROCESS:
+        return to_serialize(exc)
+    try:
+        return serialize(exc, destination)
+    except Exception:
+        return None

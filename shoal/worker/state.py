@@ -1,0 +1,565 @@
+"""A worker's decisions, without IO.
+
+Theory of operation
+-------------------
+``WorkerState.handle(*events)`` takes events (the scheduler sent a task, a task
+finished in an executor thread, a fetch from a peer came back) and returns
+instructions for the server (``Execute`` a task, ``GatherDep`` from a peer,
+``SendMsg`` to the scheduler). It imports no asyncio and reads no clock.
+
+A key the worker knows is either a task to compute (sent by the scheduler) or a
+dependency to fetch from peers. States::
+
+    compute:  waiting -> ready -> executing -> memory            (or: error, reported)
+                                      \\-> cancelled (freed while running; the result is
+                                           dropped, or kept as a copy if a local task needs it)
+    fetch:    fetch -> flight -> memory
+                 ^--------/ (missing on that peer: the next holder; none left: the tasks
+                            that need it go back to the scheduler, ``reschedule``)
+
+The worker runs at most ``nthreads`` tasks at once and takes more from the scheduler
+than it can run, so it fetches the inputs of the next tasks while computing. Fetches go
+to one peer at a time per peer, batched: every input wanted from that peer goes in one
+request, up to ``gather_bytes``.
+
+A task whose thread is running keeps its record until the thread reports, so one key
+never runs twice at once. Fetched copies are the worker's own business: it drops them
+once no local task needs them. Values it computed (or received by scatter) are dropped
+when the scheduler says.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Hashable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "WorkerState",
+    "WTask",
+    "ComputeTaskEvent",
+    "FreeKeysEvent",
+    "ExecuteSuccessEvent",
+    "ExecuteFailureEvent",
+    "GatherDepSuccessEvent",
+    "GatherDepFailureEvent",
+    "UpdateDataEvent",
+    "Execute",
+    "GatherDep",
+    "SendMsg",
+]
+
+Key = Hashable
+
+
+@dataclass(eq=False)
+class WTask:
+    key: Key
+    state: str = "released"
+    payload: Any = None
+    priority: tuple[int, ...] = (0,)
+    #: "compute" (the scheduler's), "fetched" (a local copy), "scattered"
+    origin: str = "fetched"
+    dependencies: set[WTask] = field(default_factory=set)
+    dependents: set[WTask] = field(default_factory=set)
+    waiting_for_data: set[WTask] = field(default_factory=set)
+    who_has: set[str] = field(default_factory=set)
+    nbytes: int = 0
+    coming_from: str | None = None
+    #: order of creation: breaks ties of priority, so runs do not depend on set order
+    seq: int = 0
+
+    def __repr__(self) -> str:
+        return f"<WTask {self.key!r} {self.state}>"
+
+    def __lt__(self, other: WTask) -> bool:
+        return (self.priority, self.seq) < (other.priority, other.seq)
+
+
+# ------------------------------------------------------------------------------ events
+
+
+@dataclass
+class Event:
+    stimulus_id: str
+
+
+@dataclass
+class ComputeTaskEvent(Event):
+    key: Key
+    payload: Any
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+    priority: tuple[int, ...]
+
+
+@dataclass
+class FreeKeysEvent(Event):
+    keys: list[Key]
+
+
+@dataclass
+class ExecuteSuccessEvent(Event):
+    key: Key
+    value: Any
+    nbytes: int
+    duration: float = 0.0
+
+
+@dataclass
+class ExecuteFailureEvent(Event):
+    key: Key
+    exception: Any
+    traceback: Any
+    text: str
+
+
+@dataclass
+class GatherDepSuccessEvent(Event):
+    worker: str
+    #: values received; requested keys absent here were missing on the peer
+    data: dict[Key, Any]
+    requested: list[Key]
+    nbytes: dict[Key, int] = field(default_factory=dict)
+
+
+@dataclass
+class GatherDepFailureEvent(Event):
+    worker: str
+    requested: list[Key]
+    text: str = ""
+
+
+@dataclass
+class UpdateDataEvent(Event):
+    data: dict[Key, Any]
+    nbytes: dict[Key, int]
+
+
+# ------------------------------------------------------------------------ instructions
+
+
+@dataclass
+class Instruction:
+    stimulus_id: str
+
+
+@dataclass
+class Execute(Instruction):
+    key: Key
+
+
+@dataclass
+class GatherDep(Instruction):
+    worker: str
+    keys: list[Key]
+    total_nbytes: int
+
+
+@dataclass
+class SendMsg(Instruction):
+    msg: dict[str, Any]
+
+
+# -------------------------------------------------------------------------- the state
+
+
+class WorkerState:
+    def __init__(
+        self,
+        address: str,
+        nthreads: int = 1,
+        data: MutableMapping[Key, Any] | None = None,
+        gather_bytes: int = 64 << 20,
+        max_gathers: int = 4,
+        log_size: int = 10_000,
+    ):
+        if nthreads < 1:
+            raise ValueError(f"a worker needs at least one thread, got {nthreads}")
+        self.address = address
+        self.nthreads = nthreads
+        self.data: MutableMapping[Key, Any] = {} if data is None else data
+        self.tasks: dict[Key, WTask] = {}
+        self.ready: list[WTask] = []
+        self.executing: set[WTask] = set()
+        self.fetching: set[WTask] = set()  # state "fetch"
+        self.in_flight_workers: dict[str, set[WTask]] = {}
+        self.gather_bytes = gather_bytes
+        self.max_gathers = max_gathers
+        self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
+        self._out: list[Instruction] = []
+        self._seq = itertools.count()
+        self._stimulus = ""
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            ComputeTaskEvent: self._compute_task,
+            FreeKeysEvent: self._free_keys,
+            ExecuteSuccessEvent: self._execute_success,
+            ExecuteFailureEvent: self._execute_failure,
+            GatherDepSuccessEvent: self._gather_success,
+            GatherDepFailureEvent: self._gather_failure,
+            UpdateDataEvent: self._update_data,
+        }
+
+    def handle(self, *events: Event) -> list[Instruction]:
+        """Apply events in order; return the instructions they produce."""
+        out: list[Instruction] = []
+        self._out = out
+        for event in events:
+            self._stimulus = event.stimulus_id
+            self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
+            self._handlers[type(event)](event)
+        self._ensure_communicating()
+        self._ensure_computing()
+        self._out = []
+        return out
+
+    # -- events
+
+    def _compute_task(self, ev: ComputeTaskEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is not None:
+            if ts.state == "memory":
+                ts.origin = "compute"
+                self._send({"op": "task-finished", "key": ts.key, "nbytes": ts.nbytes})
+                return
+            if ts.state == "cancelled":
+                ts.state = "executing"  # still running: report it this time
+                ts.origin = "compute"
+                return
+            if ts.state in ("waiting", "ready", "executing"):
+                return  # already on it
+        # an input nobody can send (not here, no other holder): give the task back, and
+        # tell the scheduler when it believed this worker held the input
+        unavailable = [k for k, holders in ev.who_has.items()
+                       if k not in self.tasks and not set(holders) - {self.address}]
+        if unavailable:
+            for k in unavailable:
+                if self.address in ev.who_has[k]:
+                    self._send({"op": "missing-data", "key": k, "errant_worker": self.address})
+            self._send({"op": "reschedule", "key": ev.key})
+            return
+        if ts is None:
+            ts = self.tasks[ev.key] = WTask(ev.key, seq=next(self._seq))
+        else:
+            # it was an input we were fetching: compute it here instead
+            self._drop_fetch(ts)
+        ts.origin = "compute"
+        ts.payload = ev.payload
+        ts.priority = tuple(ev.priority)
+        ts.waiting_for_data = set()
+        for dep_key, holders in ev.who_has.items():
+            if dep_key == ev.key:
+                continue
+            dts = self.tasks.get(dep_key)
+            if dts is None:
+                dts = self.tasks[dep_key] = WTask(dep_key, origin="fetched", priority=ts.priority, seq=next(self._seq))
+            dts.nbytes = ev.nbytes.get(dep_key) or dts.nbytes
+            ts.dependencies.add(dts)
+            dts.dependents.add(ts)
+            if dts.state == "memory":
+                continue
+            dts.who_has.update(h for h in holders if h != self.address)
+            ts.waiting_for_data.add(dts)
+            if dts.state == "released":
+                dts.state = "fetch"
+                self.fetching.add(dts)
+            elif dts.state in ("fetch", "flight"):
+                dts.priority = min(dts.priority, ts.priority)
+            # else it is being computed here (waiting, ready, executing, cancelled)
+        if ts.waiting_for_data:
+            ts.state = "waiting"
+        else:
+            self._make_ready(ts)
+
+    def _free_keys(self, ev: FreeKeysEvent) -> None:
+        pending = {ts for ts in map(self.tasks.get, ev.keys) if ts is not None}
+        while pending:
+            # dependents first: an input freed along with them is not kept for them
+            ts = next(t for t in sorted(pending) if not t.dependents & pending)
+            pending.discard(ts)
+            if self.tasks.get(ts.key) is not ts or ts.state in ("fetch", "flight"):
+                continue  # fetches are this worker's business, not the scheduler's
+            if ts.state in ("executing", "cancelled"):
+                # the thread cannot be stopped: drop (or keep for a local task) its result
+                ts.state = "cancelled"
+                ts.origin = "fetched"
+            elif self._needed(ts):
+                if ts.state == "memory":
+                    ts.origin = "fetched"  # a local task still needs this value: keep a copy
+                else:
+                    self._lose(ts)  # waiting or ready: not computed here after all
+            else:
+                self._release(ts)
+
+    def _execute_success(self, ev: ExecuteSuccessEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts not in self.executing:
+            return
+        self.executing.discard(ts)
+        if ts.state == "memory":
+            return  # a scattered value arrived meanwhile: keep that one
+        if ts.state == "cancelled" and not self._needed(ts):
+            self._release(ts)
+            return
+        ts.nbytes = ev.nbytes
+        self._put(ts, ev.value)
+        if ts.state == "memory" and ts.origin == "compute":
+            self._send({"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration})
+        self._release_unneeded_deps(ts)
+
+    def _execute_failure(self, ev: ExecuteFailureEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts not in self.executing:
+            return
+        self.executing.discard(ts)
+        if ts.state == "memory":
+            return  # a scattered value arrived meanwhile: keep that one
+        if ts.state == "executing":
+            self._send({
+                "op": "task-erred", "key": ts.key, "exception": ev.exception,
+                "traceback": ev.traceback, "text": ev.text,
+            })
+        self._lose(ts)
+
+    def _gather_success(self, ev: GatherDepSuccessEvent) -> None:
+        flight = self.in_flight_workers.pop(ev.worker, set())
+        for ts in sorted(flight):
+            if ts.state != "flight":
+                continue  # dropped while handling an earlier key of this reply
+            ts.coming_from = None
+            if ts.key in ev.data:
+                ts.nbytes = ev.nbytes.get(ts.key, ts.nbytes)
+                self._put(ts, ev.data[ts.key])
+            else:
+                self._missing_on(ts, ev.worker)
+
+    def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
+        flight = self.in_flight_workers.pop(ev.worker, set())
+        for ts in sorted(flight):
+            if ts.state != "flight":
+                continue  # dropped while handling an earlier key of this request
+            ts.coming_from = None
+            self._missing_on(ts, ev.worker)
+        # the peer is unreachable: forget it as a holder of anything
+        for ts in list(self.tasks.values()):
+            if ev.worker in ts.who_has and self.tasks.get(ts.key) is ts:
+                ts.who_has.discard(ev.worker)
+                if ts.state == "fetch" and not ts.who_has:
+                    self._lose(ts)
+
+    def _update_data(self, ev: UpdateDataEvent) -> None:
+        for key, value in ev.data.items():
+            ts = self.tasks.get(key)
+            if ts is None:
+                ts = self.tasks[key] = WTask(key, origin="scattered", seq=next(self._seq))
+            elif ts.state in ("waiting", "ready", "executing"):
+                continue  # the scheduler has this key computed here: that reports the value
+            elif ts.state in ("fetch", "flight"):
+                self._drop_fetch(ts)
+            elif ts.state == "cancelled":
+                self._release_unneeded_deps(ts)  # its thread has its inputs already
+            if ts.origin == "fetched":
+                ts.origin = "scattered"
+            ts.payload = None
+            ts.nbytes = ev.nbytes.get(key, 0)
+            self._put(ts, value)
+
+    # -- helpers
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self._out.append(SendMsg(self._stimulus, msg))
+
+    def _make_ready(self, ts: WTask) -> None:
+        ts.state = "ready"
+        heapq.heappush(self.ready, ts)
+
+    def _needed(self, ts: WTask) -> bool:
+        """Whether a local task still waits for ``ts``'s value, or is about to run with it."""
+        return any(d.state in ("waiting", "ready") for d in ts.dependents)
+
+    def _put(self, ts: WTask, value: Any) -> None:
+        """``ts``'s value is here: store it and wake the tasks waiting for it."""
+        self.fetching.discard(ts)
+        ts.state = "memory"
+        self.data[ts.key] = value
+        for dts in sorted(ts.dependents):
+            if ts in dts.waiting_for_data:
+                dts.waiting_for_data.discard(ts)
+                if not dts.waiting_for_data and dts.state == "waiting":
+                    self._make_ready(dts)
+
+    def _missing_on(self, ts: WTask, worker: str) -> None:
+        ts.who_has.discard(worker)
+        self._send({"op": "missing-data", "key": ts.key, "errant_worker": worker})
+        self._lose(ts)
+
+    def _lose(self, ts: WTask) -> None:
+        """``ts``'s value will not come from where it was expected (its computation here
+        failed or was freed, or its holder did not have it): fetch it from another holder
+        if a local task needs it, else give those tasks back to the scheduler; then
+        forget ``ts`` unless it is being fetched."""
+        self.fetching.discard(ts)
+        if ts.coming_from is not None:
+            self.in_flight_workers.get(ts.coming_from, set()).discard(ts)
+            ts.coming_from = None
+        waiting = sorted(d for d in ts.dependents if d.state == "waiting")
+        if waiting and ts.who_has:
+            self._release_unneeded_deps(ts)
+            ts.payload = None
+            ts.origin = "fetched"
+            ts.state = "fetch"
+            self.fetching.add(ts)
+            return
+        for dts in waiting:
+            if self.tasks.get(dts.key) is dts and dts.state == "waiting":
+                self._reschedule(dts)
+        if self.tasks.get(ts.key) is ts:
+            self._release(ts)
+
+    def _reschedule(self, ts: WTask) -> None:
+        """Give a task back to the scheduler (an input cannot be had)."""
+        self._send({"op": "reschedule", "key": ts.key})
+        self._lose(ts)
+
+    def _drop_fetch(self, ts: WTask) -> None:
+        self.fetching.discard(ts)
+        if ts.coming_from is not None:
+            self.in_flight_workers.get(ts.coming_from, set()).discard(ts)
+            ts.coming_from = None
+        ts.state = "released"
+
+    def _release(self, ts: WTask) -> None:
+        """Forget ``ts`` entirely (its value too) and drop inputs nobody needs now.
+
+        Callers make sure no local task waits for it. A task whose thread still runs
+        keeps its record (``cancelled``) until the thread reports.
+        """
+        self.data.pop(ts.key, None)
+        if ts in self.executing:
+            ts.state = "cancelled"
+            ts.origin = "fetched"
+            return
+        self._drop_fetch(ts)
+        ts.payload = None
+        if self.tasks.get(ts.key) is ts:
+            del self.tasks[ts.key]
+        for dts in ts.dependents:
+            # only tasks that have their inputs already (executing) can be left
+            dts.dependencies.discard(ts)
+            dts.waiting_for_data.discard(ts)
+        ts.dependents.clear()
+        self._release_unneeded_deps(ts)
+
+    def _release_unneeded_deps(self, ts: WTask) -> None:
+        for dep in sorted(ts.dependencies):
+            dep.dependents.discard(ts)
+            if not dep.dependents and dep.origin == "fetched" and self.tasks.get(dep.key) is dep:
+                self._release(dep)
+        ts.dependencies.clear()
+        ts.waiting_for_data.clear()
+
+    def _ensure_computing(self) -> None:
+        while self.ready and len(self.executing) < self.nthreads:
+            ts = heapq.heappop(self.ready)
+            if ts.state != "ready" or self.tasks.get(ts.key) is not ts:
+                continue  # released while queued
+            ts.state = "executing"
+            self.executing.add(ts)
+            self._out.append(Execute(self._stimulus, ts.key))
+
+    def _ensure_communicating(self) -> None:
+        if not self.fetching:
+            return
+        budget = self.max_gathers - len(self.in_flight_workers)
+        if budget <= 0:
+            return
+        for ts in sorted(self.fetching):
+            if budget <= 0:
+                break
+            if ts.state != "fetch":
+                continue
+            peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
+            if not peers:
+                continue
+            peer = peers[0]
+            batch = [ts]
+            total = ts.nbytes
+            for other in sorted(self.fetching):
+                if other is ts or other.state != "fetch" or peer not in other.who_has:
+                    continue
+                if total + other.nbytes > self.gather_bytes:
+                    break
+                batch.append(other)
+                total += other.nbytes
+            for t in batch:
+                t.state = "flight"
+                t.coming_from = peer
+                self.fetching.discard(t)
+            self.in_flight_workers[peer] = set(batch)
+            self._out.append(GatherDep(self._stimulus, peer, [t.key for t in batch], total))
+            budget -= 1
+
+    # -- inspection
+
+    def validate(self) -> None:
+        """Check every invariant; raise ``AssertionError`` on the first broken one."""
+        for key, ts in self.tasks.items():
+            assert ts.key == key
+            assert ts.state in _STATES, ts
+            assert (ts.state == "memory") == (key in self.data), ts
+            assert self.address not in ts.who_has, ts
+            if ts.state == "waiting":
+                assert ts.waiting_for_data, ts
+                assert ts.waiting_for_data <= ts.dependencies, ts
+                for dep in ts.waiting_for_data:
+                    assert dep.state in ("fetch", "flight", "waiting", "ready", "executing", "cancelled"), (ts, dep)
+            else:
+                assert not ts.waiting_for_data, ts
+            if ts.state in ("waiting", "ready", "executing"):
+                assert ts.origin == "compute", ts
+            if ts.state == "ready":
+                assert ts in self.ready, ts
+                assert all(d.state == "memory" for d in ts.dependencies), ts
+            if ts.state in ("fetch", "flight"):
+                assert ts.origin == "fetched" and not ts.dependencies, ts
+                assert any(ts in d.waiting_for_data for d in ts.dependents), f"{ts} fetched for nobody"
+            if ts.state == "fetch":
+                assert ts in self.fetching and ts.who_has, ts
+            if ts.state == "flight":
+                assert ts.coming_from is not None and ts in self.in_flight_workers[ts.coming_from], ts
+            else:
+                assert ts.coming_from is None, ts
+            if ts.state in ("executing", "cancelled"):
+                assert ts in self.executing, ts
+            if ts.state == "cancelled":
+                assert ts.origin == "fetched", ts
+            elif ts.origin == "fetched":
+                assert ts.dependents, f"{ts}: a fetched copy nobody needs"
+            for dep in ts.dependencies:
+                assert ts in dep.dependents, (ts, dep)
+                assert self.tasks.get(dep.key) is dep, (ts, dep)
+            for dts in ts.dependents:
+                assert ts in dts.dependencies, (ts, dts)
+                assert self.tasks.get(dts.key) is dts, (ts, dts)
+                assert dts.state in ("waiting", "ready", "executing", "cancelled"), (ts, dts)
+        assert set(self.data) <= set(self.tasks)
+        assert len(self.executing) <= self.nthreads
+        for ts in self.executing:
+            assert self.tasks.get(ts.key) is ts and ts.state in ("executing", "cancelled", "memory"), ts
+        if any(ts.state == "ready" and self.tasks.get(ts.key) is ts for ts in self.ready):
+            assert len(self.executing) == self.nthreads, "a thread is idle while tasks are ready"
+        for ts in self.fetching:
+            assert ts.state == "fetch" and self.tasks.get(ts.key) is ts
+        assert len(self.in_flight_workers) <= self.max_gathers
+        for peer, flight in self.in_flight_workers.items():
+            for ts in flight:
+                assert ts.state == "flight" and ts.coming_from == peer and self.tasks.get(ts.key) is ts
+        if len(self.in_flight_workers) < self.max_gathers:
+            for ts in self.fetching:
+                assert ts.who_has <= self.in_flight_workers.keys(), f"{ts} could be fetched now"
+
+
+_STATES = frozenset({"waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"})

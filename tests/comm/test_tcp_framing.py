@@ -1,0 +1,166 @@
+"""tcp framing under arbitrary chunking and contended writes.
+
+Covers the fast paths of ``shoal.comm.tcp``: a whole small message parsed in one step
+from the scratch buffer, and a write handed to the kernel at once when no other write is
+in progress (with the lock-protected path finishing whatever the kernel did not take).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from shoal import config
+from shoal.comm import connect, listen
+from shoal.comm.tcp import _FrameProtocol
+from shoal.errors import CommError, ProtocolError
+from shoal.protocol import to_serialize
+
+
+def _wire(frames: list[bytes]) -> bytes:
+    return struct.pack(f"<Q{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
+
+
+def _feed(protocol: _FrameProtocol, data: bytes, rng: random.Random, max_chunk: int) -> None:
+    pos = 0
+    while pos < len(data):
+        buf = protocol.get_buffer(-1)
+        n = min(len(buf), len(data) - pos, rng.randint(1, max_chunk))
+        buf[:n] = data[pos : pos + n]
+        protocol.buffer_updated(n)
+        pos += n
+
+
+def _messages(rng: random.Random, count: int) -> list[list[bytes]]:
+    sizes = [0, 1, 7, 100, 4000, 1 << 16, (1 << 16) + 3, 300_000]
+    out = []
+    for _ in range(count):
+        nframes = rng.choice([1, 1, 1, 2, 3, 5])
+        out.append([rng.randbytes(rng.choice(sizes)) for _ in range(nframes)])
+    return out
+
+
+@pytest.mark.parametrize("max_chunk", [1, 13, 4096, 70_000, 1 << 20])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_chunking_of_the_stream_gives_the_same_frames(max_chunk, seed):
+    rng = random.Random(seed)
+    msgs = _messages(rng, 60 if max_chunk > 1000 else 12)
+    if max_chunk < 1000:  # byte-sized pieces: keep the frames small enough to be quick
+        msgs = [[f[:20_000] if max_chunk > 1 else f[:2000] for f in m] for m in msgs]
+    protocol = _FrameProtocol()
+    got: list[list[bytes]] = []
+    for m in msgs:
+        _feed(protocol, _wire(m), rng, max_chunk)
+        while protocol.messages:  # drain as a reader would (the protocol has no transport)
+            got.append([bytes(f) for f in protocol.messages.popleft()])
+    assert protocol.error is None
+    assert got == msgs
+
+
+def test_many_messages_in_one_read():
+    rng = random.Random(5)
+    msgs = [[rng.randbytes(rng.randint(1, 300))] for _ in range(40)]
+    protocol = _FrameProtocol()
+    _feed(protocol, b"".join(_wire(m) for m in msgs), rng, 1 << 20)
+    assert [[bytes(f) for f in m] for m in protocol.messages] == msgs
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        struct.pack("<Q", 0),  # no frames
+        struct.pack("<QQ", 1, 1 << 40),  # frame above max-frame-bytes
+    ],
+)
+def test_bad_headers_are_still_protocol_errors(head):
+    with config.set(max_frame_bytes=1 << 30):
+        protocol = _FrameProtocol()
+        _feed(protocol, head + b"x" * 64, random.Random(0), 1 << 20)
+    assert isinstance(protocol.error, ProtocolError)
+
+
+async def test_concurrent_writers_with_a_slow_reader_keep_every_message_whole():
+    """Writers race on one comm while the reader lags, so the kernel takes only part
+    of a message and the rest waits for writability; nothing may interleave."""
+    received: list[object] = []
+    done = asyncio.Event()
+    total = 4 * 30
+
+    async def handler(comm):
+        try:
+            while len(received) < total:
+                received.append(await comm.read())
+                if len(received) % 10 == 0:
+                    await asyncio.sleep(0.01)  # fall behind
+            done.set()
+        finally:
+            await comm.close()
+
+    listener = await listen("tcp://127.0.0.1:0", handler)
+    comm = await connect(listener.contact_address)
+    try:
+        big = np.arange(600_000, dtype=np.float64)
+
+        async def writer(w: int) -> None:
+            for i in range(30):
+                kind = (w + i) % 3
+                if kind == 0:
+                    await comm.write({"w": w, "i": i, "x": b"s" * (i + 1)})
+                elif kind == 1:
+                    await comm.write({"w": w, "i": i, "x": bytes(range(256)) * 400})
+                else:
+                    await comm.write({"w": w, "i": i, "x": to_serialize(big + i)})
+
+        await asyncio.gather(*(writer(w) for w in range(4)))
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        await comm.close()
+        listener.stop()
+        await asyncio.sleep(0)
+
+    seen: dict[int, list[int]] = {w: [] for w in range(4)}
+    for msg in received:
+        w, i, x = msg["w"], msg["i"], msg["x"]
+        seen[w].append(i)
+        kind = (w + i) % 3
+        if kind == 0:
+            assert x == b"s" * (i + 1)
+        elif kind == 1:
+            assert x == bytes(range(256)) * 400
+        else:
+            assert np.array_equal(x, big + i)
+    assert all(order == list(range(30)) for order in seen.values())  # per-writer order
+
+
+async def test_cancelling_a_write_midway_aborts_the_comm():
+    """A write cancelled after part of it reached the socket leaves the stream unusable:
+    the comm is aborted rather than letting the next message follow half of this one."""
+    server_comms = []
+
+    async def handler(comm):
+        server_comms.append(comm)
+        comm._transport.pause_reading()  # take nothing more: the sender's socket fills
+        await asyncio.sleep(3600)
+
+    listener = await listen("tcp://127.0.0.1:0", handler)
+    comm = await connect(listener.contact_address)
+    try:
+        task = asyncio.ensure_future(comm.write({"x": to_serialize(np.zeros(64 << 20, dtype=np.uint8))}))
+        await asyncio.sleep(0.3)
+        assert not task.done()  # blocked on a full socket buffer
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert comm.closed()
+        with pytest.raises(CommError):
+            await comm.write({"x": 1})
+    finally:
+        await comm.close()
+        for c in server_comms:
+            c.abort()
+        listener.stop()
+        await asyncio.sleep(0)  # let the transports finish closing

@@ -1,0 +1,92 @@
+"""The command line: a scheduler and two workers as real processes."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import shoal
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def processes():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        for stream in (p.stdout, p.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _start(procs, *args):
+    p = subprocess.Popen([sys.executable, "-m", "shoal", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    return p
+
+
+def test_scheduler_and_two_workers(processes):
+    port = _free_port()
+    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(port))
+    line = sched.stdout.readline()
+    assert line.strip() == f"shoal scheduler at tcp://127.0.0.1:{port}"
+    address = line.split()[-1]
+    workers = [_start(processes, "worker", address, "--nthreads", "2", "--name", f"w{i}") for i in range(2)]
+    for w in workers:
+        assert w.stdout.readline().startswith("shoal worker at tcp://127.0.0.1:")
+    with shoal.Client(address) as c:
+        info = c.scheduler_info()
+        assert len(info["workers"]) == 2
+        assert sorted(w["name"] for w in info["workers"].values()) == ["w0", "w1"]
+        assert all(w["nthreads"] == 2 for w in info["workers"].values())
+        assert sum(c.gather(c.map(abs, range(-50, 50)))) == 2 * sum(range(51)) - 50
+    # workers stop on SIGTERM, the scheduler too
+    for p in [*workers, sched]:
+        p.terminate()
+    for p in [*workers, sched]:
+        assert p.wait(10) == 0
+
+
+def test_worker_without_scheduler_fails_clearly(processes):
+    port = _free_port()
+    p = subprocess.run([sys.executable, "-m", "shoal", "worker", f"tcp://127.0.0.1:{port}"],
+                       capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "SHOAL_CONNECT_TIMEOUT": "0.5"})
+    assert p.returncode != 0
+    assert "could not connect" in p.stderr
+
+
+def test_selfcheck_runs():
+    p = subprocess.run([sys.executable, "-m", "shoal", "selfcheck", "--size-mb", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "tcp" in p.stdout and "inproc" in p.stdout
+
+
+def test_demo_runs_and_checks_its_results():
+    p = subprocess.run([sys.executable, "-m", "shoal", "demo", "--n", "400", "--block", "100",
+                        "--chunks", "4", "--chunk-size", "10000"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("matches numpy") == 2
+    counted = re.findall(r"([\d,]+) of 40,000 within", p.stdout)
+    assert len(counted) == 2 and all(39_900 < int(c.replace(",", "")) <= 40_000 for c in counted)
+    assert "by reference" in p.stdout and "over tcp" in p.stdout

@@ -1,0 +1,51 @@
+"""In-process clusters pass objects by reference: nothing is pickled."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import shoal
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("this object refuses to be pickled")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with shoal.Client(processes=False, n_workers=2) as c:
+        yield c
+
+
+def test_objects_pass_by_reference(client):
+    obj = Unpicklable()
+    assert client.submit(lambda x: x, obj).result(timeout=10) is obj
+    lock = threading.Lock()
+    assert client.submit(lambda x: x, lock, pure=True).result(timeout=10) is lock
+    with_lock = client.submit(lambda lk: lk.acquire(blocking=False) and (lk.release() or True), lock)
+    assert with_lock.result(timeout=10) is True
+
+
+def test_values_flow_between_workers_by_reference(client):
+    obj = Unpicklable()
+    a = client.submit(lambda x: [x], obj, workers=[sorted(client.scheduler_info()["workers"])[0]])
+    b = client.submit(lambda lst: lst[0], a, workers=[sorted(client.scheduler_info()["workers"])[1]])
+    assert b.result(timeout=10) is obj
+
+
+def test_scatter_by_reference(client):
+    obj = Unpicklable()
+    [f] = client.scatter([obj])
+    assert f.result(timeout=10) is obj
+
+
+async def test_asynchronous_client():
+    async with shoal.Client(processes=False, n_workers=1, asynchronous=True) as c:
+        f = c.submit(lambda x: x * 2, 21)
+        assert await f == 42
+        futures = c.map(lambda x: x + 1, range(5))
+        assert await c.gather(futures) == [1, 2, 3, 4, 5]
+        assert (await c.scheduler_info())["workers"]

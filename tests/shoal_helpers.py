@@ -1,0 +1,223 @@
+"""Helpers shared by the test suites (not fixtures: plain functions and classes).
+
+- :func:`assert_same`: deep equality that also checks exact types (a list is not a
+  tuple, bytes are not a bytearray), dict key order, float signs and NaNs, numpy dtypes.
+- :class:`LoopThread`: an asyncio event loop running in its own thread.
+- :class:`LogWaiter`: wait (with a deadline) until a matching log record was emitted,
+  from any thread.
+- raw wire helpers speaking shoal's tcp framing over a blocking socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import struct
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import msgpack
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is a test dependency
+    np = None
+
+
+def assert_same(a: Any, b: Any, path: str = "msg") -> None:
+    """Assert ``a`` and ``b`` are equal with exactly the same types, recursively."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if type(a) is dict:
+        assert len(a) == len(b), f"{path}: {len(a)} keys != {len(b)} keys"
+        for i, ((ka, va), (kb, vb)) in enumerate(zip(a.items(), b.items())):
+            assert_same(ka, kb, f"{path}<key {i}>")
+            assert_same(va, vb, f"{path}[{ka!r}]")
+    elif type(a) in (list, tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif type(a) is float:
+        if math.isnan(a):
+            assert math.isnan(b), f"{path}: nan != {b!r}"
+        else:
+            assert a == b and math.copysign(1, a) == math.copysign(1, b), f"{path}: {a!r} != {b!r}"
+    elif type(a) is memoryview:
+        assert (a.format, a.shape, a.itemsize) == (b.format, b.shape, b.itemsize), (
+            f"{path}: memoryview {a.format} {a.shape} != {b.format} {b.shape}"
+        )
+        assert a.tobytes() == b.tobytes(), f"{path}: memoryview contents differ"
+    elif np is not None and isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        if a.dtype.kind == "O":
+            assert_same(a.tolist(), b.tolist(), path)
+        elif a.dtype.fields is None and a.dtype.kind in "fc":
+            assert np.array_equal(a, b, equal_nan=True), f"{path}: arrays differ"
+        else:
+            assert a.tobytes() == b.tobytes(), f"{path}: arrays differ"
+    else:
+        assert a == b, f"{path}: {a!r:.200} != {b!r:.200}"
+
+
+class LoopThread:
+    """An event loop in a background thread; ``run(coro)`` runs a coroutine there.
+
+    ``stop()`` (or leaving the ``with`` block) ends the loop the way ``asyncio.run``
+    does: remaining tasks are cancelled, async generators and executors shut down.
+    """
+
+    def __init__(self, name: str = "test-loop") -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._started = threading.Event()
+        self._stop: asyncio.Future[None] | None = None
+        self.thread = threading.Thread(target=asyncio.run, args=(self._main(),), name=name, daemon=True)
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = self.loop.create_future()
+        self._started.set()
+        await self._stop
+
+    def start(self) -> LoopThread:
+        self.thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("loop thread did not start")
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def arun(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Await ``coro`` running on this thread's loop from another loop."""
+        assert self.loop is not None
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        if self.loop is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(lambda: self._stop.done() or self._stop.set_result(None))  # type: ignore[union-attr]
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "loop thread did not stop"
+
+    def __enter__(self) -> LoopThread:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class LogWaiter(logging.Handler):
+    """Collects records of the ``shoal`` loggers and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._cond = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._cond:
+            self.records.append(record)
+            self._cond.notify_all()
+
+    def wait_for(
+        self, predicate: Callable[[logging.LogRecord], bool], timeout: float = 10.0
+    ) -> logging.LogRecord:
+        """The first record matching ``predicate``; fails after ``timeout`` seconds."""
+        found: list[logging.LogRecord] = []
+
+        def check() -> bool:
+            found[:] = [r for r in self.records if predicate(r)]
+            return bool(found)
+
+        with self._cond:
+            ok = self._cond.wait_for(check, timeout)
+        assert ok, f"no matching log record within {timeout}s; got {[r.getMessage() for r in self.records]}"
+        return found[0]
+
+
+@contextlib.contextmanager
+def log_waiter(name: str = "shoal") -> Iterator[LogWaiter]:
+    """Attach a :class:`LogWaiter` to logger ``name`` (after pytest's caplog handler,
+    so that a record seen here is already in ``caplog.records``)."""
+    waiter = LogWaiter()
+    logger = logging.getLogger(name)
+    root = logging.getLogger()
+    # on the root logger, after caplog's handler: when we are notified caplog has it
+    target = root if name == "shoal" else logger
+    target.addHandler(waiter)
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield waiter
+    finally:
+        target.removeHandler(waiter)
+        logger.setLevel(old_level)
+
+
+# ---------------------------------------------------------------- raw tcp wire helpers
+
+
+def frame_bytes(frames: list[bytes]) -> bytes:
+    """Frames in shoal's tcp framing: n, the n lengths, the frames (u64 little-endian)."""
+    return struct.pack(f"<Q{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
+
+
+def message_bytes(msg: Any) -> bytes:
+    """A plain msgpack message (no out-of-band values) in shoal's tcp framing."""
+    return frame_bytes([msgpack.packb(msg, use_bin_type=True)])
+
+
+def handshake_bytes(protocol: int = 1, **extra: Any) -> bytes:
+    return message_bytes({"op": "handshake", "protocol": protocol, "pid": 1, "host": "elsewhere", **extra})
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("peer closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frames(sock: socket.socket) -> list[bytes]:
+    (n,) = struct.unpack("<Q", recv_exactly(sock, 8))
+    lengths = struct.unpack(f"<{n}Q", recv_exactly(sock, 8 * n))
+    return [recv_exactly(sock, length) for length in lengths]
+
+
+def recv_until_closed(sock: socket.socket) -> bytes:
+    """Read until the peer closes (EOF or reset); returns what was read."""
+    data = []
+    try:
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            data.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(data)
+
+
+def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> socket.socket:
+    """A blocking socket to a ``tcp://host:port`` shoal endpoint, after (by default) a
+    valid handshake in both directions."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    try:
+        if handshake:
+            sock.sendall(handshake_bytes())
+            (info,) = recv_frames(sock)
+            assert msgpack.unpackb(info)["op"] == "handshake"
+    except BaseException:
+        sock.close()
+        raise
+    return sock

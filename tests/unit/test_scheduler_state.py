@@ -1,0 +1,1060 @@
+"""shoal.scheduler.state: the scheduler's decisions, driven by events alone.
+
+No event loop, no sleeps: each test feeds events to :class:`SchedulerState` through a
+small harness that calls ``validate()`` after every step, and asserts on the returned
+instructions and on the state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from shoal.scheduler.state import (
+    AddClientEvent,
+    AddWorkerEvent,
+    CancelKeysEvent,
+    ClientMsg,
+    ComputeTask,
+    FreeKeys,
+    InvalidTransition,
+    MissingDataEvent,
+    NewTask,
+    ReleaseKeysEvent,
+    RemoveClientEvent,
+    RemoveWorkerEvent,
+    RescheduleEvent,
+    SchedulerState,
+    TaskErredEvent,
+    TaskFinishedEvent,
+    TaskState,
+    UpdateDataEvent,
+    UpdateGraphEvent,
+)
+
+# --------------------------------------------------------------------------- harness
+
+
+class Sched:
+    """Feeds events to a :class:`SchedulerState` and validates it after every step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.state = SchedulerState(**kwargs)
+        self._ids = itertools.count()
+
+    def sid(self) -> str:
+        return f"test-{next(self._ids)}"
+
+    def __call__(self, *events: Any) -> list[Any]:
+        out = self.state.handle(*events)
+        self.state.validate()
+        return out
+
+    def ts(self, key: Any) -> TaskState:
+        return self.state.tasks[key]
+
+    def add_worker(self, address: str, nthreads: int = 1) -> list[Any]:
+        return self(AddWorkerEvent(self.sid(), address, nthreads))
+
+    def remove_worker(self, address: str, crashed: bool = True) -> list[Any]:
+        return self(RemoveWorkerEvent(self.sid(), address, crashed))
+
+    def submit(self, *tasks: NewTask, wanted: list[Any] | None = None, client: str = "c") -> list[Any]:
+        if wanted is None:
+            wanted = [t.key for t in tasks]
+        return self(UpdateGraphEvent(self.sid(), client, list(tasks), wanted))
+
+    def finish(self, worker: str, key: Any, nbytes: int = 1) -> list[Any]:
+        return self(TaskFinishedEvent(self.sid(), worker, key, nbytes))
+
+    def err(self, worker: str, key: Any, exception: Any = "exc", traceback: Any = "tb", text: str = "Boom: x") -> list[Any]:
+        return self(TaskErredEvent(self.sid(), worker, key, exception, traceback, text))
+
+    def release(self, *keys: Any, client: str = "c") -> list[Any]:
+        return self(ReleaseKeysEvent(self.sid(), client, list(keys)))
+
+    def cancel(self, *keys: Any, client: str = "c") -> list[Any]:
+        return self(CancelKeysEvent(self.sid(), client, list(keys)))
+
+    def scatter(self, who_has: dict[Any, list[str]], nbytes: dict[Any, int] | None = None, client: str = "c") -> list[Any]:
+        return self(UpdateDataEvent(self.sid(), client, who_has, nbytes or {k: 1 for k in who_has}))
+
+    def missing(self, key: Any, errant_worker: str) -> list[Any]:
+        return self(MissingDataEvent(self.sid(), key, errant_worker))
+
+    def reschedule(self, worker: str, key: Any) -> list[Any]:
+        return self(RescheduleEvent(self.sid(), worker, key))
+
+    def states(self) -> dict[Any, str]:
+        return {k: ts.state for k, ts in self.state.tasks.items()}
+
+
+def task(key: Any, *deps: Any, workers: list[str] | None = None, retries: int = 0, payload: Any = None) -> NewTask:
+    return NewTask(key, f"payload-{key}" if payload is None else payload, list(deps), workers, retries)
+
+
+def computes(out: list[Any]) -> list[tuple[str, Any]]:
+    return [(i.worker, i.key) for i in out if isinstance(i, ComputeTask)]
+
+
+def compute_of(out: list[Any], key: Any) -> ComputeTask:
+    (inst,) = [i for i in out if isinstance(i, ComputeTask) and i.key == key]
+    return inst
+
+
+def frees(out: list[Any]) -> dict[str, set[Any]]:
+    d: dict[str, set[Any]] = defaultdict(set)
+    for i in out:
+        if isinstance(i, FreeKeys):
+            d[i.worker] |= set(i.keys)
+    return dict(d)
+
+
+def msgs(out: list[Any], op: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    return [(i.client, i.msg) for i in out if isinstance(i, ClientMsg) and (op is None or i.msg["op"] == op)]
+
+
+def reported(out: list[Any], op: str) -> list[tuple[str, Any]]:
+    return [(c, m["key"]) for c, m in msgs(out, op)]
+
+
+@pytest.fixture
+def s() -> Any:
+    h = Sched()
+    yield h
+    h.state.validate()
+
+
+# ------------------------------------------------------------------------ basic flow
+
+
+def test_one_task_on_one_worker(s: Sched) -> None:
+    s.add_worker("w1")
+    out = s.submit(task("x"))
+    assert out == [ComputeTask(out[0].stimulus_id, "w1", "x", "payload-x", {}, {}, s.ts("x").priority)]
+    assert s.ts("x").state == "processing" and s.ts("x").processing_on is s.state.workers["w1"]
+
+    out = s.finish("w1", "x", nbytes=123)
+    assert msgs(out) == [("c", {"op": "key-in-memory", "key": "x", "nbytes": 123, "workers": ["w1"]})]
+    assert s.ts("x").state == "memory"
+    assert {ws.address for ws in s.ts("x").who_has} == {"w1"}
+    assert s.state.workers["w1"].nbytes == 123
+    assert not s.state.workers["w1"].processing
+
+
+def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(s: Sched) -> None:
+    s(AddWorkerEvent("add-w1", "w1", 1))
+    out = s(UpdateGraphEvent("graph-1", "c", [task("x")], ["x"]))
+    assert [i.stimulus_id for i in out] == ["graph-1"]
+    out = s(TaskFinishedEvent("done-x", "w1", "x", 1))
+    assert [i.stimulus_id for i in out] == ["done-x"]
+    assert [entry[:2] for entry in s.state.log] == [
+        ("add-w1", "AddWorkerEvent"), ("graph-1", "UpdateGraphEvent"), ("done-x", "TaskFinishedEvent")]
+
+
+def test_log_is_bounded() -> None:
+    h = Sched(log_size=3)
+    for i in range(10):
+        h(AddClientEvent(f"s{i}", f"c{i}"))
+    assert [e[0] for e in h.state.log] == ["s7", "s8", "s9"]
+
+
+def test_chain_runs_in_order_and_frees_intermediates(s: Sched) -> None:
+    s.add_worker("w1", nthreads=2)
+    out = s.submit(task("a"), task("b", "a"), task("c", "b"), wanted=["c"])
+    assert computes(out) == [("w1", "a")]
+    assert s.states() == {"a": "processing", "b": "waiting", "c": "waiting"}
+
+    out = s.finish("w1", "a", nbytes=10)
+    b = compute_of(out, "b")
+    assert (b.worker, b.who_has, b.nbytes) == ("w1", {"a": ["w1"]}, {"a": 10})
+    assert not msgs(out), "nobody wants a"
+    assert not frees(out), "b still needs a"
+
+    out = s.finish("w1", "b", nbytes=20)
+    assert computes(out) == [("w1", "c")]
+    assert frees(out) == {"w1": {"a"}}, "a is freed once its only dependent is done"
+
+    out = s.finish("w1", "c", nbytes=30)
+    assert reported(out, "key-in-memory") == [("c", "c")]
+    assert frees(out) == {"w1": {"b"}}
+    assert s.states() == {"a": "released", "b": "released", "c": "memory"}
+    assert s.state.workers["w1"].nbytes == 30
+
+    out = s.release("c")
+    assert frees(out) == {"w1": {"c"}}
+    assert s.state.tasks == {}
+    assert s.state.workers["w1"].nbytes == 0
+
+
+def test_diamond_frees_the_root_after_both_branches(s: Sched) -> None:
+    s.add_worker("w1", nthreads=4)
+    out = s.submit(task("a"), task("b", "a"), task("c", "a"), task("d", "b", "c"), wanted=["d"])
+    assert computes(out) == [("w1", "a")]
+    out = s.finish("w1", "a")
+    assert sorted(computes(out)) == [("w1", "b"), ("w1", "c")]
+    out = s.finish("w1", "b")
+    assert not frees(out) and not computes(out)
+    assert s.ts("d").waiting_on == {s.ts("c")}
+    out = s.finish("w1", "c")
+    assert frees(out) == {"w1": {"a"}}
+    d = compute_of(out, "d")
+    assert d.who_has == {"b": ["w1"], "c": ["w1"]}
+    out = s.finish("w1", "d")
+    assert frees(out) == {"w1": {"b", "c"}}
+    assert reported(out, "key-in-memory") == [("c", "d")]
+
+
+def test_tasks_go_out_in_priority_order(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)  # room for 1 + ahead(2) tasks
+    out = s.submit(*(task(f"t{i}") for i in range(6)))
+    assert computes(out) == [("w1", "t0"), ("w1", "t1"), ("w1", "t2")]
+    out = s.finish("w1", "t0")
+    assert computes(out) == [("w1", "t3")]
+
+
+# ------------------------------------------------------------------------- placement
+
+
+def test_placement_prefers_the_worker_holding_most_input_bytes(s: Sched) -> None:
+    for w in ("w1", "w2", "w3"):
+        s.add_worker(w, nthreads=2)
+    s.scatter({"small": ["w1"], "big": ["w2"]}, {"small": 10, "big": 1000})
+    out = s.submit(task("z", "small", "big"))
+    assert computes(out) == [("w2", "z")]
+    assert compute_of(out, "z").who_has == {"small": ["w1"], "big": ["w2"]}
+    assert compute_of(out, "z").nbytes == {"small": 10, "big": 1000}
+
+
+def test_placement_ties_go_to_the_least_busy_worker(s: Sched) -> None:
+    s.add_worker("w1", nthreads=2)
+    s.add_worker("w2", nthreads=2)
+    s.scatter({"x": ["w1", "w2"]}, {"x": 100})
+    # w1 gets busy with a task restricted to it
+    s.submit(task("busy", workers=["w1"]))
+    assert s.ts("busy").processing_on.address == "w1"
+    out = s.submit(task("z", "x"))
+    assert computes(out) == [("w2", "z")]
+    # without inputs, the least busy worker (relative to its threads) gets the task
+    s.submit(task("busy2", workers=["w2"]))
+    out = s.submit(task("free"))
+    assert computes(out) == [("w1", "free")]
+
+
+def test_workers_get_at_most_nthreads_plus_ahead_and_the_rest_queue(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)  # 1 thread + 2 ahead
+    out = s.submit(*(task(f"t{i}") for i in range(10)))
+    assert computes(out) == [("w1", f"t{i}") for i in range(3)]
+    assert [ts.key for ts in sorted(s.state.queued)] == [f"t{i}" for i in range(3, 10)]
+    assert all(s.ts(f"t{i}").state == "queued" for i in range(3, 10))
+
+    # one slot frees: exactly one task goes out, the next by priority
+    out = s.finish("w1", "t0")
+    assert computes(out) == [("w1", "t3")]
+    out = s.err("w1", "t1")
+    assert computes(out) == [("w1", "t4")]
+
+    # a new worker takes what it has room for, no more
+    out = s.add_worker("w2", nthreads=1)
+    assert computes(out) == [("w2", "t5"), ("w2", "t6"), ("w2", "t7")]
+    assert len(s.state.workers["w1"].processing) == 3
+    assert [ts.key for ts in sorted(s.state.queued)] == ["t8", "t9"]
+
+    # released keys free their slots too
+    out = s.release("t2")
+    assert frees(out) == {"w1": {"t2"}}
+    assert computes(out) == [("w1", "t8")]
+    assert [ts.key for ts in s.state.queued] == ["t9"]
+
+
+def test_no_look_ahead_gives_one_task_per_thread() -> None:
+    s = Sched(ahead=0)
+    s.add_worker("w1", nthreads=2)
+    out = s.submit(*(task(f"t{i}") for i in range(5)))
+    assert computes(out) == [("w1", "t0"), ("w1", "t1")]
+    out = s.finish("w1", "t1")
+    assert computes(out) == [("w1", "t2")]
+
+
+def test_no_workers_queues_until_one_arrives(s: Sched) -> None:
+    out = s.submit(task("a"), task("b", "a"))
+    assert not computes(out)
+    assert s.states() == {"a": "queued", "b": "waiting"}
+    out = s.add_worker("w1")
+    assert computes(out) == [("w1", "a")]
+
+
+# ---------------------------------------------------------------------- restrictions
+
+
+def test_restrictions_are_honoured(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.scatter({"x": ["w1"]}, {"x": 10**6})
+    # w1 is idle and holds the input, but the task may only run on w2
+    out = s.submit(*(task(f"r{i}", "x", workers=["w2"]) for i in range(4)))
+    assert computes(out) == [("w2", "r0"), ("w2", "r1"), ("w2", "r2")]
+    assert s.ts("r3").state == "queued"
+    # w1 has room, but r3 does not go there
+    out = s.submit(task("free"))
+    assert computes(out) == [("w1", "free")]
+    out = s.finish("w1", "free")
+    assert not computes(out)
+    assert s.ts("r3").state == "queued"
+    # w2 frees a slot: r3 goes there
+    out = s.finish("w2", "r0")
+    assert computes(out) == [("w2", "r3")]
+
+
+def test_restriction_to_no_existing_worker_errs_with_a_value_error(s: Sched) -> None:
+    s.add_worker("w1")
+    out = s.submit(task("a", workers=["tcp://nowhere:1"]), task("b", "a"), wanted=["a", "b"])
+    assert not computes(out)
+    erred = msgs(out, "task-erred")
+    assert [(c, m["key"]) for c, m in erred] == [("c", "a"), ("c", "b")], "one report per key"
+    for _, m in erred:
+        assert m["kind"] == "ValueError"
+        assert m["blame"] == "a"
+        assert m["text"].startswith("ValueError:") and "tcp://nowhere:1" in m["text"]
+    assert s.states() == {"a": "erred", "b": "erred"}
+
+
+def test_restricted_task_errs_when_its_only_worker_leaves(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.submit(*(task(f"r{i}", workers=["w2"]) for i in range(4)))
+    assert s.ts("r3").state == "queued"
+    out = s.remove_worker("w2")
+    # the processing ones erred as well: they cannot run anywhere now
+    assert {m["key"] for _, m in msgs(out, "task-erred")} == {"r0", "r1", "r2", "r3"}
+    assert all(m["kind"] == "ValueError" for _, m in msgs(out, "task-erred"))
+    assert not computes(out)
+    assert not s.state.queued
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_task_erred_propagates_to_dependents_with_the_blame(s: Sched) -> None:
+    s.add_worker("w1")
+    s(AddClientEvent(s.sid(), "c2"))
+    s.submit(task("a"), task("b", "a"), task("c", "b"), wanted=["c"])
+    s.submit(task("b"), wanted=["b"], client="c2")
+    exc = object()
+    out = s.err("w1", "a", exception=exc, traceback="Traceback...", text="ZeroDivisionError: division by zero")
+    erred = {(c, m["key"]): m for c, m in msgs(out, "task-erred")}
+    assert set(erred) == {("c", "c"), ("c2", "b")}
+    for m in erred.values():
+        assert m["exception"] is exc
+        assert m["traceback"] == "Traceback..."
+        assert m["text"] == "ZeroDivisionError: division by zero"
+        assert m["blame"] == "a"
+    assert not computes(out)
+    assert s.states() == {"a": "erred", "b": "erred", "c": "erred"}
+    assert s.ts("c").exception_blame is s.ts("a")
+
+
+def test_submitting_onto_an_erred_dependency_reports_at_once(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"))
+    s.err("w1", "a", text="KeyError: 'k'")
+    out = s.submit(task("b", "a"))
+    assert [(c, m["key"], m["blame"], m["text"]) for c, m in msgs(out)] == [("c", "b", "a", "KeyError: 'k'")]
+    assert not computes(out)
+    out = s.submit(task("a"), client="c2")
+    assert [(c, m["op"], m["key"]) for c, m in msgs(out)] == [("c2", "task-erred", "a")]
+
+
+def test_retries_rerun_a_failed_task(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.submit(task("x", retries=2))
+    w = s.ts("x").processing_on.address
+    out = s.err(w, "x")
+    assert [k for _, k in computes(out)] == ["x"]
+    assert not msgs(out)
+    out = s.err(s.ts("x").processing_on.address, "x")
+    assert [k for _, k in computes(out)] == ["x"]
+    out = s.err(s.ts("x").processing_on.address, "x", text="Boom: third")
+    assert reported(out, "task-erred") == [("c", "x")]
+    assert msgs(out)[0][1]["text"] == "Boom: third"
+    assert s.ts("x").state == "erred"
+
+
+def test_a_retried_task_keeps_its_inputs(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a", retries=1), wanted=["b"])
+    s.finish("w1", "a", nbytes=7)
+    out = s.err("w1", "b")
+    assert "a" not in frees(out).get("w1", set()), "a is still needed by the retry"
+    assert compute_of(out, "b").who_has == {"a": ["w1"]}
+    assert s.ts("a").state == "memory"
+    out = s.finish("w1", "b")
+    assert frees(out) == {"w1": {"a"}}
+
+
+# ------------------------------------------------------------------ release / cancel
+
+
+def test_release_forgets_tasks_and_frees_their_holders(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.scatter({"x": ["w1", "w2"]})
+    s.submit(task("y"))
+    s.finish(s.ts("y").processing_on.address, "y")
+    y_on = next(iter(s.ts("y").who_has)).address
+    out = s.release("x", "y")
+    expected: dict[str, set[Any]] = {"w1": {"x"}, "w2": {"x"}}
+    expected[y_on].add("y")
+    assert frees(out) == expected
+    assert s.state.tasks == {}
+    assert all(ws.nbytes == 0 and not ws.has_what for ws in s.state.workers.values())
+
+
+def test_release_of_a_processing_task_cancels_it(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["b"])
+    out = s.release("b")
+    assert frees(out) == {"w1": {"a"}}
+    assert s.state.tasks == {}
+    assert not s.state.workers["w1"].processing
+    # a late result of the cancelled task is freed at once
+    out = s.finish("w1", "a")
+    assert frees(out) == {"w1": {"a"}}
+    assert s.state.tasks == {}
+
+
+def test_release_keeps_keys_another_client_wants(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    s.submit(task("x"), client="c2")
+    s.finish("w1", "x")
+    out = s.release("x")
+    assert not frees(out)
+    assert s.ts("x").who_wants == {"c2"}
+    out = s(RemoveClientEvent(s.sid(), "c2"))
+    assert frees(out) == {"w1": {"x"}}
+    assert s.state.tasks == {}
+
+
+def test_release_of_an_input_keeps_it_while_a_dependent_needs_it(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["a", "b"])
+    s.finish("w1", "a")
+    out = s.release("a")
+    assert not frees(out)
+    assert s.ts("b").state == "processing"
+    out = s.finish("w1", "b")
+    assert frees(out) == {"w1": {"a"}}
+
+
+def test_cancel_a_processing_task_and_its_dependents(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), task("c", "b"), wanted=["a", "c"])
+    out = s.cancel("a")
+    assert sorted(reported(out, "cancelled-key")) == [("c", "a"), ("c", "c")]
+    assert frees(out) == {"w1": {"a"}}
+    assert s.state.tasks == {}
+
+
+def test_cancel_a_key_in_memory(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    s.finish("w1", "x")
+    out = s.cancel("x")
+    assert reported(out, "cancelled-key") == [("c", "x")]
+    assert frees(out) == {"w1": {"x"}}
+    assert s.state.tasks == {}
+
+
+def test_cancel_leaves_what_another_client_wants(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["a"])
+    s.submit(task("b", "a"), wanted=["b"], client="c2")
+    out = s.cancel("a")
+    assert reported(out, "cancelled-key") == [("c", "a")]
+    assert not frees(out), "c2 still needs a for b"
+    assert s.states() == {"a": "processing", "b": "waiting"}
+    out = s.finish("w1", "a")
+    assert computes(out) == [("w1", "b")]
+    out = s.finish("w1", "b")
+    assert reported(out, "key-in-memory") == [("c2", "b")]
+    assert frees(out) == {"w1": {"a"}}
+
+
+def test_cancel_reaches_dependents_in_memory(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["b"])
+    s.finish("w1", "a")
+    s.finish("w1", "b")
+    assert s.states() == {"a": "released", "b": "memory"}
+    out = s.cancel("a")
+    assert reported(out, "cancelled-key") == [("c", "b")]
+    assert frees(out) == {"w1": {"b"}}
+    assert s.state.tasks == {}
+
+
+def test_cancel_reports_each_key_once(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["b"])
+    s.finish("w1", "a")
+    s.finish("w1", "b")
+    out = s.cancel("a", "b")
+    assert reported(out, "cancelled-key") == [("c", "b")]
+    assert s.state.tasks == {}
+
+
+# --------------------------------------------------------------------- graph checks
+
+
+def test_a_graph_with_a_cycle_is_refused_and_changes_nothing(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    before = s.states()
+    out = s.submit(task("p", "x"), task("a", "c"), task("b", "a"), task("c", "b"), wanted=["p", "b"])
+    assert not computes(out)
+    assert [(c, m["key"], m["kind"]) for c, m in msgs(out)] == [("c", "p", "GraphError"), ("c", "b", "GraphError")]
+    assert all(m["text"].startswith("GraphError: the graph has a cycle") for _, m in msgs(out))
+    assert s.states() == before
+    assert s.ts("x").who_wants == {"c"} and not s.ts("x").dependents
+
+
+def test_a_task_depending_on_itself_is_a_cycle(s: Sched) -> None:
+    out = s.submit(task("a", "a"))
+    assert [m["kind"] for _, m in msgs(out)] == ["GraphError"]
+    assert s.state.tasks == {}
+
+
+def test_an_unknown_dependency_is_refused_and_changes_nothing(s: Sched) -> None:
+    s.add_worker("w1")
+    out = s.submit(task("a"), task("b", "a", "ghost"), wanted=["b"], client="c9")
+    assert [(c, m["key"], m["kind"]) for c, m in msgs(out)] == [("c9", "b", "GraphError")]
+    assert "'ghost'" in msgs(out)[0][1]["text"]
+    assert s.state.tasks == {}
+    assert "c9" not in s.state.clients
+    assert not s.state.workers["w1"].processing
+
+
+def test_resubmitting_a_key_in_memory_reports_it_at_once(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    s.finish("w1", "x", nbytes=5)
+    out = s.submit(task("x"), client="c2")
+    assert out == [ClientMsg(out[0].stimulus_id, "c2", {"op": "key-in-memory", "key": "x", "nbytes": 5, "workers": ["w1"]})]
+    assert s.ts("x").who_wants == {"c", "c2"}
+
+
+def test_resubmitting_a_freed_intermediate_recomputes_it(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), wanted=["b"])
+    s.finish("w1", "a")
+    s.finish("w1", "b")
+    assert s.ts("a").state == "released"
+    out = s.submit(task("a"))
+    assert computes(out) == [("w1", "a")]
+    out = s.finish("w1", "a")
+    assert reported(out, "key-in-memory") == [("c", "a")]
+
+
+# ------------------------------------------------------------------ workers leaving
+
+
+def test_removed_worker_processing_tasks_go_elsewhere(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.submit(task("a"), task("b"))
+    assert computes(s.add_worker("w2")) == []
+    on_w1 = {ts.key for ts in s.state.workers["w1"].processing}
+    assert on_w1 == {"a", "b"}
+    out = s.remove_worker("w1")
+    assert sorted(computes(out)) == [("w2", "a"), ("w2", "b")]
+    assert not frees(out)
+    assert s.ts("a").suspicious == 1
+
+
+def test_values_only_the_removed_worker_held_are_recomputed(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("a"), task("b", "a"), task("c", "b"), wanted=["c"])
+    for k in "abc":
+        s.finish("w1", k)
+    assert s.states() == {"a": "released", "b": "released", "c": "memory"}
+    s.add_worker("w2")
+    out = s.remove_worker("w1")
+    assert reported(out, "lost-key") == [("c", "c")]
+    # c's inputs were freed: the whole chain runs again
+    assert computes(out) == [("w2", "a")]
+    assert s.states() == {"a": "processing", "b": "waiting", "c": "waiting"}
+    out = s.finish("w2", "a")
+    assert computes(out) == [("w2", "b")]
+    out = s.finish("w2", "b")
+    assert computes(out) == [("w2", "c")]
+    out = s.finish("w2", "c")
+    assert reported(out, "key-in-memory") == [("c", "c")]
+
+
+def test_lost_input_of_a_waiting_task_is_recomputed(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.submit(task("a"), task("b", workers=["w2"]), task("c", "a", "b"), wanted=["c"])
+    assert s.ts("a").processing_on.address == "w1"
+    s.finish("w1", "a")
+    assert s.ts("c").waiting_on == {s.ts("b")}
+    out = s.remove_worker("w1", crashed=False)
+    assert computes(out) == [("w2", "a")]
+    assert s.ts("c").waiting_on == {s.ts("a"), s.ts("b")}
+    s.finish("w2", "b")
+    out = s.finish("w2", "a")
+    assert computes(out) == [("w2", "c")]
+
+
+def test_lost_input_restricted_to_the_lost_worker_errs(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.submit(task("a", workers=["w1"]), task("b", workers=["w2"]), task("c", "a", "b"), wanted=["c"])
+    s.finish("w1", "a")
+    out = s.remove_worker("w1", crashed=False)
+    assert not computes(out), "a may only run on w1"
+    assert [(m["key"], m["kind"], m["blame"]) for _, m in msgs(out, "task-erred")] == [("c", "ValueError", "a")]
+    # b is not needed any more
+    assert frees(out) == {"w2": {"b"}}
+
+
+def test_lost_input_of_a_queued_task_sends_it_back_to_waiting(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.submit(*(task(f"busy{i}", workers=["w2"]) for i in range(3)))
+    s.submit(task("a"), task("b", "a", workers=["w2"]), wanted=["b"])
+    assert s.ts("a").processing_on.address == "w1"
+    s.finish("w1", "a")
+    assert s.ts("b").state == "queued"
+    s.add_worker("w3")
+    out = s.remove_worker("w1")
+    assert computes(out) == [("w3", "a")]
+    assert s.states()["b"] == "waiting" and not s.state.queued
+    out = s.finish("w3", "a")
+    assert not computes(out), "w2 is still full"
+    assert s.ts("b").state == "queued"
+    out = s.finish("w2", "busy0")
+    assert computes(out) == [("w2", "b")]
+
+
+def test_a_task_running_on_three_dying_workers_is_killed(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"), task("y", "x"), wanted=["y"])
+    for i in (1, 2):
+        out = s.add_worker(f"w{i + 1}")
+        out = s.remove_worker(f"w{i}")
+        assert computes(out) == [(f"w{i + 1}", "x")]
+    # leaving cleanly does not count
+    s.add_worker("w4")
+    out = s.remove_worker("w3", crashed=False)
+    assert computes(out) == [("w4", "x")]
+    assert s.ts("x").suspicious == 2
+    out = s.remove_worker("w4")
+    assert not computes(out)
+    (c, m), = msgs(out, "task-erred")
+    assert (c, m["key"], m["kind"], m["blame"]) == ("c", "y", "KilledWorker", "x")
+    assert m["text"].startswith("KilledWorker:") and "'x'" in m["text"]
+    assert s.states() == {"x": "erred", "y": "erred"}
+
+
+def test_scattered_data_lost_with_its_worker_errs_as_lost_data(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.scatter({"x": ["w1"]}, {"x": 50})
+    s.submit(task("y", "x", workers=["w2"]))
+    assert s.ts("y").state == "processing"
+    out = s.remove_worker("w1")
+    assert reported(out, "lost-key") == [("c", "x")]
+    erred = {m["key"]: m for _, m in msgs(out, "task-erred")}
+    assert set(erred) == {"x", "y"}
+    assert erred["x"]["kind"] == "LostData" and erred["x"]["text"].startswith("LostData:")
+    assert erred["y"]["kind"] == "LostData" and erred["y"]["blame"] == "x"
+    assert frees(out) == {"w2": {"y"}}, "y cannot get its input: stop it"
+    assert s.states() == {"x": "erred", "y": "erred"}
+
+
+def test_scattered_value_lost_while_a_dependent_waits(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.scatter({"x": ["w1"]})
+    s.submit(task("slow", workers=["w2"]), task("y", "x", "slow"), wanted=["y"])
+    assert s.ts("y").waiting_on == {s.ts("slow")}
+    out = s.remove_worker("w1")
+    erred = {m["key"]: m for _, m in msgs(out, "task-erred")}
+    assert erred["y"]["kind"] == "LostData" and erred["y"]["blame"] == "x"
+    assert frees(out) == {"w2": {"slow"}}, "nobody needs slow any more"
+    assert s.states() == {"x": "erred", "y": "erred", "slow": "released"}
+    s.release("y")
+    assert s.states() == {"x": "erred"}, "x is wanted by the client who scattered it"
+
+
+# --------------------------------------------------------------------- worker reports
+
+
+def test_missing_data_drops_the_replica_and_recomputes_the_last(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.submit(task("x"))
+    w = s.ts("x").processing_on.address
+    s.finish(w, "x", nbytes=8)
+    other = "w2" if w == "w1" else "w1"
+    s.finish(other, "x", nbytes=8)  # a second copy (e.g. a retried worker)
+    assert {ws.address for ws in s.ts("x").who_has} == {"w1", "w2"}
+    out = s.missing("x", "w1")
+    assert out == []
+    assert {ws.address for ws in s.ts("x").who_has} == {"w2"}
+    assert s.state.workers["w1"].nbytes == 0
+    out = s.missing("x", "w2")
+    assert reported(out, "lost-key") == [("c", "x")]
+    assert [k for _, k in computes(out)] == ["x"]
+    # stale reports are ignored
+    assert s.missing("x", "w2") == []
+    assert s.missing("x", "nobody") == []
+
+
+def test_reschedule_sends_the_task_again(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.submit(task("a"), task("b", "a"), wanted=["b"])
+    s.finish("w1", "a")
+    out = s.reschedule("w1", "b")
+    assert computes(out) == [("w1", "b")]
+    assert compute_of(out, "b").who_has == {"a": ["w1"]}
+    assert "a" not in frees(out).get("w1", set())
+    # a reschedule from a worker not running it is ignored
+    assert s.reschedule("w2", "b") == [] and s.reschedule("w1", "a") == []
+
+
+def test_unknown_keys_and_workers_are_ignored(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    before = s.states()
+    # a result nobody wants: the worker may drop it
+    assert frees(s.finish("w1", "ghost")) == {"w1": {"ghost"}}
+    assert s.finish("w9", "x") == []
+    assert s.err("w1", "ghost") == []
+    assert s.err("w9", "x") == []
+    assert s.release("ghost") == []
+    assert s.cancel("ghost") == []
+    assert s.missing("ghost", "w1") == []
+    assert s.reschedule("w1", "ghost") == []
+    assert s.remove_worker("w9") == []
+    assert s.scatter({"y": ["w9"]}) == []
+    assert s.states() == before
+
+
+def test_a_late_result_from_another_worker_is_freed(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.submit(task("x"))
+    w = s.ts("x").processing_on.address
+    other = "w2" if w == "w1" else "w1"
+    out = s.finish(other, "x")
+    assert frees(out) == {other: {"x"}}
+    assert s.ts("x").state == "processing"
+
+
+# ---------------------------------------------------------------------- scatter
+
+
+def test_scatter_wakes_tasks_waiting_for_that_key(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.submit(task("slow"), task("x", "slow"), task("y", "x"), wanted=["y"])
+    assert s.states() == {"slow": "processing", "x": "waiting", "y": "waiting"}
+    out = s.scatter({"x": ["w1"]})
+    assert frees(out) == {"w1": {"slow"}}, "nobody needs slow any more"
+    assert computes(out) == [("w1", "y")]
+    assert compute_of(out, "y").who_has == {"x": ["w1"]}
+
+
+def test_scatter_of_a_key_being_computed_keeps_the_computation(s: Sched) -> None:
+    s.add_worker("w1", nthreads=1)
+    s.add_worker("w2", nthreads=1)
+    s.submit(task("x", workers=["w1"]))
+    out = s.scatter({"x": ["w1", "w2"]})
+    assert frees(out) == {"w2": {"x"}}, "the copy is not used; w1 will report the computed value"
+    assert s.ts("x").state == "processing"
+    out = s.finish("w1", "x")
+    assert reported(out, "key-in-memory") == [("c", "x")]
+
+
+def test_scatter_adds_replicas_and_clients(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    s.scatter({"x": ["w1"]}, {"x": 40})
+    s.scatter({"x": ["w2"]}, {"x": 40}, client="c2")
+    assert {ws.address for ws in s.ts("x").who_has} == {"w1", "w2"}
+    assert s.ts("x").who_wants == {"c", "c2"}
+    assert s.state.workers["w2"].nbytes == 40
+
+
+# ----------------------------------------------------------------------- payloads
+
+
+class Untouchable:
+    """A payload that raises on any use at all."""
+
+    def __getattribute__(self, name: str) -> Any:
+        raise AssertionError(f"the scheduler looked at the payload ({name})")
+
+    def __eq__(self, other: object) -> bool:
+        raise AssertionError("the scheduler compared the payload")
+
+    def __hash__(self) -> int:
+        raise AssertionError("the scheduler hashed the payload")
+
+    def __bool__(self) -> bool:
+        raise AssertionError("the scheduler tested the payload")
+
+    def __repr__(self) -> str:
+        raise AssertionError("the scheduler printed the payload")
+
+    def __reduce__(self) -> Any:
+        raise AssertionError("the scheduler pickled the payload")
+
+
+def test_the_scheduler_never_touches_payloads(s: Sched) -> None:
+    s.add_worker("w1")
+    s.add_worker("w2")
+    payloads = {k: Untouchable() for k in "abcd"}
+    out = s.submit(
+        NewTask("a", payloads["a"]), NewTask("b", payloads["b"], ["a"], retries=1),
+        NewTask("c", payloads["c"], ["a"]), NewTask("d", payloads["d"], ["b", "c"]), wanted=["d"])
+    sent = [i for i in out if isinstance(i, ComputeTask)]
+    for _ in range(20):
+        if not sent:
+            break
+        inst = sent.pop(0)
+        assert inst.payload is payloads[inst.key]
+        if inst.key == "b" and s.ts("b").retries:
+            out = s.err(inst.worker, "b")
+        elif inst.key == "c" and s.ts("c").suspicious == 0:
+            s.add_worker("w3")
+            out = s.remove_worker(inst.worker)
+        else:
+            out = s.finish(inst.worker, inst.key)
+        sent += [i for i in out if isinstance(i, ComputeTask)]
+    assert s.ts("d").state == "memory"
+    assert s.state.payload_deserializations == 0
+
+
+# ------------------------------------------------------------------- transitions
+
+
+def test_an_illegal_transition_raises_and_changes_nothing(s: Sched) -> None:
+    s.submit(task("a"), task("b", "a"))
+    b = s.ts("b")
+    before = (b.state, set(b.waiting_on), b.processing_on)
+    with pytest.raises(InvalidTransition, match="waiting -> memory"):
+        s.state._transition(b, "memory")
+    assert (b.state, b.waiting_on, b.processing_on) == before
+    s.state.validate()
+
+
+def test_a_worker_with_no_threads_is_refused(s: Sched) -> None:
+    with pytest.raises(ValueError, match="0 threads"):
+        s.add_worker("w1", nthreads=0)
+    assert s.state.workers == {}
+
+
+def test_validate_catches_a_broken_invariant(s: Sched) -> None:
+    s.add_worker("w1")
+    s.submit(task("x"))
+    s.ts("x").state = "memory"
+    with pytest.raises(AssertionError):
+        s.state.validate()
+    s.ts("x").state = "processing"
+
+
+# =================================================================== stateful test
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random plausible event sequences; ``validate()`` after each; at the end, with all
+    workers staying and every processing task finished, every wanted key is in memory
+    or erred, and releasing everything leaves nothing behind."""
+
+    CLIENTS = ("c1", "c2")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Sched(ahead=1)
+        self.worker_ids = itertools.count()
+        self.key_ids = itertools.count()
+        #: worker -> keys the model believes it holds (to tell the scheduler truthfully)
+        self.sent: list[ComputeTask] = []
+
+    def apply(self, *events: Any) -> list[Any]:
+        out = self.h(*events)
+        workers = self.h.state.workers
+        for n, inst in enumerate(out):
+            if isinstance(inst, ComputeTask):
+                assert inst.worker in workers
+                for dep, holders in inst.who_has.items():
+                    assert holders, f"{inst.key} sent with no holder for {dep}"
+                ts = self.h.state.tasks.get(inst.key)
+                if ts is None or ts.state != "processing" or ts.processing_on.address != inst.worker:
+                    # sent, then found unneeded within the same batch: it must be taken back
+                    assert any(isinstance(i, FreeKeys) and i.worker == inst.worker and inst.key in i.keys
+                               for i in out[n + 1:]), inst
+            elif isinstance(inst, ClientMsg) and inst.msg["op"] == "key-in-memory":
+                assert self.h.state.tasks[inst.msg["key"]].state == "memory"
+        return out
+
+    def pick(self, items: list[Any], i: int) -> Any:
+        return sorted(items, key=repr)[i % len(items)]
+
+    def processing(self) -> list[TaskState]:
+        return [ts for ts in self.h.state.tasks.values() if ts.state == "processing"]
+
+    @initialize(n=st.integers(1, 3))
+    def start(self, n: int) -> None:
+        for _ in range(n):
+            self.add_worker(nthreads=1)
+
+    @rule(nthreads=st.integers(1, 3))
+    def add_worker(self, nthreads: int) -> None:
+        self.apply(AddWorkerEvent(self.h.sid(), f"w{next(self.worker_ids)}", nthreads))
+
+    @precondition(lambda self: self.h.state.workers)
+    @rule(i=st.integers(0, 100), crashed=st.booleans())
+    def remove_worker(self, i: int, crashed: bool) -> None:
+        self.apply(RemoveWorkerEvent(self.h.sid(), self.pick(list(self.h.state.workers), i), crashed))
+
+    @rule(
+        client=st.sampled_from(CLIENTS),
+        shape=st.lists(
+            st.tuples(st.lists(st.integers(0, 100), max_size=3), st.integers(0, 9), st.integers(0, 3), st.booleans()),
+            min_size=1, max_size=6),
+        resubmit=st.lists(st.integers(0, 100), max_size=2),
+    )
+    def submit(self, client: str, shape: list[tuple[list[int], int, int, bool]], resubmit: list[int]) -> None:
+        existing = sorted(self.h.state.tasks, key=repr)
+        keys: list[Any] = []
+        tasks: list[NewTask] = []
+        for dep_idx, restrict, retries, wanted in shape:
+            key = f"k{next(self.key_ids)}"
+            pool = existing + keys
+            deps = sorted({pool[i % len(pool)] for i in dep_idx}) if pool else []
+            workers = None
+            if restrict == 0 and self.h.state.workers:
+                workers = [self.pick(list(self.h.state.workers), dep_idx[0] if dep_idx else 0)]
+            elif restrict == 1:
+                workers = ["w-none"]
+            tasks.append(NewTask(key, f"payload-{key}", deps, workers, retries if retries < 2 else 0))
+            keys.append(key)
+        wanted = [t.key for t, (_, _, _, w) in zip(tasks, shape) if w] or [keys[-1]]
+        if existing:
+            for i in resubmit:
+                k = existing[i % len(existing)]
+                tasks.append(NewTask(k, f"payload-{k}", [], None, 0))
+                wanted.append(k)
+        self.apply(UpdateGraphEvent(self.h.sid(), client, tasks, wanted))
+
+    @rule(client=st.sampled_from(CLIENTS), cycle=st.booleans())
+    def submit_bad_graph(self, client: str, cycle: bool) -> None:
+        before = self.h.states()
+        k = f"bad{next(self.key_ids)}"
+        tasks = [NewTask(k, "p", [k + "-b"]), NewTask(k + "-b", "p", [k] if cycle else ["ghost"])]
+        out = self.apply(UpdateGraphEvent(self.h.sid(), client, tasks, [k]))
+        assert [m["kind"] for _, m in msgs(out)] == ["GraphError"]
+        assert self.h.states() == before
+
+    @precondition(lambda self: self.processing())
+    @rule(i=st.integers(0, 100), nbytes=st.integers(0, 1000), fetched=st.booleans())
+    def finish(self, i: int, nbytes: int, fetched: bool = False) -> None:
+        ts = self.pick(self.processing(), i)
+        if not fetched and any(d.state != "memory" for d in ts.dependencies):
+            # its worker cannot get an input that was lost meanwhile: it gives the task back
+            # (unless it had fetched the input before: then it finishes)
+            self.apply(RescheduleEvent(self.h.sid(), ts.processing_on.address, ts.key))
+        else:
+            self.apply(TaskFinishedEvent(self.h.sid(), ts.processing_on.address, ts.key, nbytes))
+
+    @precondition(lambda self: self.processing())
+    @rule(i=st.integers(0, 100))
+    def err(self, i: int) -> None:
+        ts = self.pick(self.processing(), i)
+        self.apply(TaskErredEvent(self.h.sid(), ts.processing_on.address, ts.key, "exc", "tb", "Boom: x"))
+
+    @precondition(lambda self: self.processing())
+    @rule(i=st.integers(0, 100))
+    def reschedule(self, i: int) -> None:
+        ts = self.pick(self.processing(), i)
+        self.apply(RescheduleEvent(self.h.sid(), ts.processing_on.address, ts.key))
+
+    @precondition(lambda self: self.h.state.tasks)
+    @rule(client=st.sampled_from(CLIENTS), idx=st.lists(st.integers(0, 100), min_size=1, max_size=3))
+    def release(self, client: str, idx: list[int]) -> None:
+        keys = list(self.h.state.tasks)
+        self.apply(ReleaseKeysEvent(self.h.sid(), client, [self.pick(keys, i) for i in idx]))
+
+    @precondition(lambda self: self.h.state.tasks)
+    @rule(client=st.sampled_from(CLIENTS), i=st.integers(0, 100))
+    def cancel(self, client: str, i: int) -> None:
+        self.apply(CancelKeysEvent(self.h.sid(), client, [self.pick(list(self.h.state.tasks), i)]))
+
+    @precondition(lambda self: any(ts.state == "memory" for ts in self.h.state.tasks.values()))
+    @rule(i=st.integers(0, 100), j=st.integers(0, 100))
+    def missing_data(self, i: int, j: int) -> None:
+        ts = self.pick([t for t in self.h.state.tasks.values() if t.state == "memory"], i)
+        ws = self.pick(list(ts.who_has), j)
+        self.apply(MissingDataEvent(self.h.sid(), ts.key, ws.address))
+
+    @precondition(lambda self: self.h.state.workers)
+    @rule(client=st.sampled_from(CLIENTS), i=st.integers(0, 100), existing=st.booleans())
+    def scatter(self, client: str, i: int, existing: bool) -> None:
+        w = self.pick(list(self.h.state.workers), i)
+        keys = list(self.h.state.tasks)
+        key = self.pick(keys, i) if existing and keys else f"s{next(self.key_ids)}"
+        self.apply(UpdateDataEvent(self.h.sid(), client, {key: [w]}, {key: 10}))
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def remove_client(self, client: str) -> None:
+        self.apply(RemoveClientEvent(self.h.sid(), client))
+
+    @rule()
+    def unknown_keys(self) -> None:
+        before = self.h.states()
+        w = next(iter(self.h.state.workers), "w-none")
+        self.apply(TaskErredEvent(self.h.sid(), w, "ghost"), ReleaseKeysEvent(self.h.sid(), "c1", ["ghost"]),
+                   MissingDataEvent(self.h.sid(), "ghost", w), RescheduleEvent(self.h.sid(), w, "ghost"))
+        assert self.h.states() == before
+
+    @invariant()
+    def valid(self) -> None:
+        self.h.state.validate()
+        assert self.h.state.payload_deserializations == 0
+
+    def teardown(self) -> None:
+        state = self.h.state
+        if not state.workers:
+            self.add_worker(nthreads=2)
+        for _ in range(10_000):
+            todo = self.processing()
+            if not todo:
+                break
+            self.finish(0, 1)
+        else:
+            raise AssertionError("the graph never finished")
+        stuck = {k: ts.state for k, ts in state.tasks.items() if ts.state in ("waiting", "queued", "processing")}
+        assert not stuck, f"nothing runs but tasks still wait: {stuck}"
+        for ts in state.tasks.values():
+            if ts.who_wants:
+                assert ts.state in ("memory", "erred"), ts
+        for client in self.CLIENTS:
+            self.apply(RemoveClientEvent(self.h.sid(), client))
+        assert state.tasks == {}, f"left behind: {state.tasks}"
+        assert all(not ws.has_what and ws.nbytes == 0 and not ws.processing for ws in state.workers.values())
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

@@ -1,0 +1,588 @@
+"""shoal.worker.state: a worker's decisions, driven by events alone.
+
+No event loop, no threads, no sleeps: each test feeds events to :class:`WorkerState`
+through a small harness that calls ``validate()`` after every step, and asserts on the
+returned instructions (``Execute``, ``GatherDep``, ``SendMsg``) and on the state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from shoal.worker.state import (
+    ComputeTaskEvent,
+    Execute,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDep,
+    GatherDepFailureEvent,
+    GatherDepSuccessEvent,
+    SendMsg,
+    UpdateDataEvent,
+    WorkerState,
+)
+
+ME = "tcp://me:1"
+
+# --------------------------------------------------------------------------- harness
+
+
+class Wk:
+    """Feeds events to a :class:`WorkerState` and validates it after every step."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.state = WorkerState(ME, **kwargs)
+        self._ids = itertools.count()
+
+    def sid(self) -> str:
+        return f"test-{next(self._ids)}"
+
+    def __call__(self, *events: Any) -> list[Any]:
+        out = self.state.handle(*events)
+        self.state.validate()
+        return out
+
+    def compute_event(self, key: Any, deps: dict[Any, list[str]] | None = None, nbytes: dict[Any, int] | None = None,
+                      priority: tuple[int, ...] = (0,)) -> ComputeTaskEvent:
+        deps = deps or {}
+        return ComputeTaskEvent(self.sid(), key, f"payload-{key}", deps, nbytes or {k: 1 for k in deps}, priority)
+
+    def compute(self, key: Any, deps: dict[Any, list[str]] | None = None, nbytes: dict[Any, int] | None = None,
+                priority: tuple[int, ...] = (0,)) -> list[Any]:
+        return self(self.compute_event(key, deps, nbytes, priority))
+
+    def free(self, *keys: Any) -> list[Any]:
+        return self(FreeKeysEvent(self.sid(), list(keys)))
+
+    def success(self, key: Any, value: Any = None, nbytes: int = 1) -> list[Any]:
+        return self(ExecuteSuccessEvent(self.sid(), key, f"value-{key}" if value is None else value, nbytes))
+
+    def failure(self, key: Any, text: str = "Boom: x") -> list[Any]:
+        return self(ExecuteFailureEvent(self.sid(), key, "exc", "tb", text))
+
+    def gathered(self, worker: str, data: dict[Any, Any], requested: list[Any]) -> list[Any]:
+        return self(GatherDepSuccessEvent(self.sid(), worker, data, requested, {k: 1 for k in data}))
+
+    def gather_failed(self, worker: str, requested: list[Any]) -> list[Any]:
+        return self(GatherDepFailureEvent(self.sid(), worker, requested, "connection refused"))
+
+    def scatter(self, data: dict[Any, Any]) -> list[Any]:
+        return self(UpdateDataEvent(self.sid(), data, {k: 1 for k in data}))
+
+    def states(self) -> dict[Any, str]:
+        return {k: ts.state for k, ts in self.state.tasks.items()}
+
+
+def executes(out: list[Any]) -> list[Any]:
+    return [i.key for i in out if isinstance(i, Execute)]
+
+
+def gathers(out: list[Any]) -> list[tuple[str, list[Any], int]]:
+    return [(i.worker, i.keys, i.total_nbytes) for i in out if isinstance(i, GatherDep)]
+
+
+def sent(out: list[Any], op: str | None = None) -> list[dict[str, Any]]:
+    return [i.msg for i in out if isinstance(i, SendMsg) and (op is None or i.msg["op"] == op)]
+
+
+def ops(out: list[Any]) -> list[tuple[str, Any]]:
+    return [(m["op"], m["key"]) for m in sent(out)]
+
+
+@pytest.fixture
+def w() -> Any:
+    h = Wk(nthreads=1)
+    yield h
+    h.state.validate()
+
+
+# ----------------------------------------------------------------------- computing
+
+
+def test_a_task_without_dependencies_executes(w: Wk) -> None:
+    out = w.compute("x")
+    assert out == [Execute(out[0].stimulus_id, "x")]
+    assert w.state.tasks["x"].state == "executing"
+    assert w.state.tasks["x"].payload == "payload-x"
+
+    out = w.success("x", value=42, nbytes=8)
+    (msg,) = sent(out)
+    assert (msg["op"], msg["key"], msg["nbytes"]) == ("task-finished", "x", 8)
+    assert w.state.data == {"x": 42}
+    assert w.state.tasks["x"].state == "memory"
+    assert not w.state.executing
+
+
+def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(w: Wk) -> None:
+    out = w(ComputeTaskEvent("compute-1", "x", "p", {}, {}, (0,)))
+    assert [i.stimulus_id for i in out] == ["compute-1"]
+    out = w(ExecuteSuccessEvent("done-1", "x", 1, 1))
+    assert [i.stimulus_id for i in out] == ["done-1"]
+    assert [e[:3] for e in w.state.log] == [("compute-1", "ComputeTaskEvent", "x"), ("done-1", "ExecuteSuccessEvent", "x")]
+
+
+def test_a_failure_is_reported_and_forgotten(w: Wk) -> None:
+    w.compute("x")
+    out = w.failure("x", text="ZeroDivisionError: division by zero")
+    assert sent(out) == [{"op": "task-erred", "key": "x", "exception": "exc", "traceback": "tb",
+                          "text": "ZeroDivisionError: division by zero"}]
+    assert w.state.tasks == {} and w.state.data == {}
+
+
+def test_never_more_than_nthreads_and_ready_tasks_run_by_priority() -> None:
+    w = Wk(nthreads=2)
+    out = w(*(w.compute_event(k, priority=(p,)) for k, p in [("a", 3), ("b", 1), ("c", 2), ("d", 0)]))
+    assert executes(out) == ["d", "b"]
+    assert w.states() == {"a": "ready", "b": "executing", "c": "ready", "d": "executing"}
+    assert executes(w.success("d")) == ["c"]
+    assert executes(w.success("c")) == ["a"]
+    assert executes(w.success("b")) == []
+    assert len(w.state.executing) == 1
+
+
+def test_a_key_in_memory_is_reported_at_once(w: Wk) -> None:
+    w.compute("x")
+    w.success("x", nbytes=5)
+    out = w.compute("x")
+    assert ops(out) == [("task-finished", "x")] and not executes(out)
+    w.scatter({"s": 1})
+    out = w.compute("s")
+    assert ops(out) == [("task-finished", "s")]
+
+
+def test_a_task_resent_while_running_is_not_run_twice(w: Wk) -> None:
+    w.compute("x")
+    assert w.compute("x") == []
+    assert ops(w.success("x")) == [("task-finished", "x")]
+
+
+# ------------------------------------------------------------------------ fetching
+
+
+def test_dependencies_are_gathered_in_one_batch_per_peer(w: Wk) -> None:
+    out = w.compute("t", {"a": ["p1"], "b": ["p1"], "c": ["p2"]}, {"a": 10, "b": 20, "c": 30})
+    assert not executes(out)
+    got = sorted((peer, sorted(keys), total) for peer, keys, total in gathers(out))
+    assert got == [("p1", ["a", "b"], 30), ("p2", ["c"], 30)]
+    assert w.states() == {"t": "waiting", "a": "flight", "b": "flight", "c": "flight"}
+
+    out = w.gathered("p1", {"a": 1, "b": 2}, ["a", "b"])
+    assert out == []
+    out = w.gathered("p2", {"c": 3}, ["c"])
+    assert executes(out) == ["t"]
+    assert w.state.data == {"a": 1, "b": 2, "c": 3}
+
+    out = w.success("t")
+    assert ops(out) == [("task-finished", "t")]
+    # fetched copies are dropped once no local task needs them
+    assert w.state.data == {"t": "value-t"}
+    assert set(w.state.tasks) == {"t"}
+
+
+def test_a_dependency_already_here_is_not_fetched(w: Wk) -> None:
+    w.compute("a")
+    w.success("a")
+    out = w.compute("b", {"a": [ME]})
+    assert executes(out) == ["b"] and not gathers(out)
+    w.success("b")
+    assert set(w.state.data) == {"a", "b"}, "a was computed here: the scheduler frees it"
+
+
+def test_a_shared_dependency_is_fetched_once(w: Wk) -> None:
+    out = w(w.compute_event("t1", {"a": ["p1"]}, priority=(0,)), w.compute_event("t2", {"a": ["p1"]}, priority=(1,)))
+    assert gathers(out) == [("p1", ["a"], 1)]
+    out = w.gathered("p1", {"a": 1}, ["a"])
+    assert executes(out) == ["t1"]
+    assert executes(w.success("t1")) == ["t2"]
+    assert "a" in w.state.data, "t2 still needs a"
+    assert w.success("t1") == [], "a duplicate report changes nothing"
+    w.success("t2")
+    assert set(w.state.data) == {"t1", "t2"}
+
+
+def test_gather_bytes_limits_a_batch() -> None:
+    w = Wk(gather_bytes=100)
+    out = w.compute("t", {"a": ["p1"], "b": ["p1"]}, {"a": 60, "b": 60})
+    ((peer, keys, total),) = gathers(out)
+    assert (peer, len(keys), total) == ("p1", 1, 60)
+    first = keys[0]
+    out = w.gathered("p1", {first: 1}, keys)
+    ((peer, keys, total),) = gathers(out)
+    assert (peer, keys, total) == ("p1", [{"a": "b", "b": "a"}[first]], 60)
+
+
+def test_a_single_dependency_larger_than_gather_bytes_is_still_fetched() -> None:
+    w = Wk(gather_bytes=100)
+    out = w.compute("t", {"a": ["p1"]}, {"a": 1000})
+    assert gathers(out) == [("p1", ["a"], 1000)]
+
+
+def test_at_most_max_gathers_peers_at_once() -> None:
+    w = Wk(max_gathers=2)
+    deps = {f"d{i}": [f"p{i}"] for i in range(4)}
+    out = w.compute("t", deps)
+    assert len(gathers(out)) == 2
+    busy = {peer for peer, _, _ in gathers(out)}
+    peer = sorted(busy)[0]
+    out = w.gathered(peer, {f"d{peer[1]}": 1}, [f"d{peer[1]}"])
+    (new,) = gathers(out)
+    assert new[0] not in busy
+    assert len(w.state.in_flight_workers) == 2
+
+
+def test_fetches_go_by_priority() -> None:
+    w = Wk(max_gathers=1)
+    out = w(w.compute_event("late", {"b": ["p2"]}, priority=(5,)), w.compute_event("soon", {"a": ["p1"]}, priority=(1,)))
+    assert gathers(out) == [("p1", ["a"], 1)]
+
+
+def test_missing_data_on_a_peer_is_reported_and_fetched_from_another(w: Wk) -> None:
+    out = w.compute("t", {"a": ["p1", "p2"]})
+    assert gathers(out) == [("p1", ["a"], 1)]
+    out = w.gathered("p1", {}, ["a"])
+    assert sent(out) == [{"op": "missing-data", "key": "a", "errant_worker": "p1"}]
+    assert gathers(out) == [("p2", ["a"], 1)]
+    out = w.gathered("p2", {"a": 1}, ["a"])
+    assert executes(out) == ["t"]
+
+
+def test_missing_data_everywhere_gives_the_dependents_back(w: Wk) -> None:
+    w(w.compute_event("t1", {"a": ["p1"]}), w.compute_event("t2", {"a": ["p1"], "b": ["p1"]}))
+    out = w.gathered("p1", {"b": 2}, ["a", "b"])
+    assert sorted(ops(out)) == [("missing-data", "a"), ("reschedule", "t1"), ("reschedule", "t2")]
+    assert w.state.tasks == {} and w.state.data == {}, "b was only needed by t2"
+
+
+def test_a_dependency_without_holders_gives_the_task_back(w: Wk) -> None:
+    out = w.compute("t", {"a": ["p1"], "b": []})
+    assert ops(out) == [("reschedule", "t")]
+    assert not gathers(out)
+    assert w.state.tasks == {}
+
+
+def test_a_dependency_listed_here_but_absent_is_reported_missing(w: Wk) -> None:
+    out = w.compute("t", {"a": [ME]})
+    assert sent(out) == [{"op": "missing-data", "key": "a", "errant_worker": ME}, {"op": "reschedule", "key": "t"}]
+    assert w.state.tasks == {}
+
+
+def test_gather_failure_forgets_that_peer() -> None:
+    w = Wk(max_gathers=1)
+    w(w.compute_event("t1", {"a": ["p1", "p2"]}, priority=(0,)), w.compute_event("t2", {"b": ["p1", "p3"]}, priority=(1,)))
+    # both inputs come from p1 in one request
+    assert {k for k, ts in w.state.tasks.items() if ts.state == "flight"} == {"a", "b"}
+    out = w.gather_failed("p1", ["a", "b"])
+    assert all("p1" not in ts.who_has for ts in w.state.tasks.values())
+    assert sorted(ops(out)) == [("missing-data", "a"), ("missing-data", "b")]
+    # one peer at a time (max_gathers=1), by priority
+    assert gathers(out) == [("p2", ["a"], 1)]
+
+
+def test_gather_failure_gives_back_tasks_whose_inputs_had_no_other_holder() -> None:
+    w = Wk(gather_bytes=100)
+    out = w(w.compute_event("t1", {"a": ["p1"]}, {"a": 60}, priority=(0,)),
+            w.compute_event("t2", {"d": ["p1"]}, {"d": 60}, priority=(1,)))
+    assert gathers(out) == [("p1", ["a"], 60)]
+    assert w.state.tasks["d"].state == "fetch"
+    out = w.gather_failed("p1", ["a"])
+    assert sorted(ops(out)) == [("missing-data", "a"), ("reschedule", "t1"), ("reschedule", "t2")]
+    assert w.state.tasks == {}
+
+
+def test_a_late_gather_reply_for_dropped_keys_is_ignored(w: Wk) -> None:
+    w.compute("t", {"a": ["p1"]})
+    w.free("t")
+    assert w.state.tasks == {}
+    assert w.state.in_flight_workers == {"p1": set()}, "the request is still out"
+    out = w.gathered("p1", {"a": 1}, ["a"])
+    assert out == [] and w.state.data == {} and not w.state.in_flight_workers
+
+
+# ---------------------------------------------------------------------- free-keys
+
+
+def test_free_keys_of_an_executing_task_cancels_it(w: Wk) -> None:
+    w.compute("x")
+    w.compute("y")
+    assert w.free("x") == []
+    assert w.state.tasks["x"].state == "cancelled"
+    assert len(w.state.executing) == 1, "its thread is still busy"
+    out = w.success("x")
+    assert sent(out) == [], "a cancelled result is dropped"
+    assert "x" not in w.state.data and "x" not in w.state.tasks
+    assert executes(out) == ["y"]
+
+
+def test_a_cancelled_failure_is_not_reported(w: Wk) -> None:
+    w.compute("x")
+    w.free("x")
+    assert w.failure("x") == []
+    assert w.state.tasks == {}
+
+
+def test_a_cancelled_task_computed_again_resumes(w: Wk) -> None:
+    w.compute("x")
+    w.free("x")
+    out = w.compute("x")
+    assert out == [], "it is still running: no second Execute"
+    assert ops(w.success("x")) == [("task-finished", "x")]
+
+
+def test_free_keys_of_waiting_and_ready_tasks(w: Wk) -> None:
+    w.compute("run")
+    w.compute("ready")
+    w.compute("wait", {"a": ["p1"]})
+    w.free("ready", "wait")
+    assert set(w.state.tasks) == {"run"}
+    assert w.state.in_flight_workers == {"p1": set()}
+    assert executes(w.success("run")) == []
+
+
+def test_free_keys_of_a_value_still_needed_keeps_it(w: Wk) -> None:
+    w.compute("x")
+    w.success("x")
+    w.compute("blocker")
+    w.compute("t", {"x": [ME]})
+    assert w.state.tasks["t"].state == "ready"
+    assert w.free("x") == []
+    assert w.state.data["x"] == "value-x", "t still needs x"
+    assert executes(w.success("blocker")) == ["t"]
+    w.success("t")
+    assert "x" not in w.state.data and "x" not in w.state.tasks, "then it is dropped"
+
+
+def test_free_keys_of_a_computed_value(w: Wk) -> None:
+    w.compute("x")
+    w.success("x")
+    assert w.free("x") == []
+    assert w.state.data == {} and w.state.tasks == {}
+
+
+def test_a_cancelled_task_still_feeds_a_new_dependent(w: Wk) -> None:
+    w.compute("a")
+    w.free("a")
+    out = w.compute("b", {"a": ["p1"]})
+    assert not gathers(out), "a is being computed here already"
+    out = w.success("a")
+    assert sent(out) == [], "the scheduler did not ask for a any more"
+    assert executes(out) == ["b"]
+    out = w.success("b")
+    assert ops(out) == [("task-finished", "b")]
+    assert set(w.state.data) == {"b"}
+
+
+def test_a_cancelled_task_that_fails_is_fetched_for_its_dependent(w: Wk) -> None:
+    w.compute("a")
+    w.free("a")
+    w.compute("b", {"a": ["p1"]})
+    out = w.failure("a")
+    assert sent(out) == []
+    assert gathers(out) == [("p1", ["a"], 1)]
+    assert executes(w.gathered("p1", {"a": 1}, ["a"])) == ["b"]
+
+
+# ------------------------------------------------------------------------- scatter
+
+
+def test_scattered_data_is_stored(w: Wk) -> None:
+    assert w.scatter({"s": 10}) == []
+    assert w.state.data == {"s": 10}
+    assert w.state.tasks["s"].state == "memory"
+    out = w.compute("t", {"s": [ME]})
+    assert executes(out) == ["t"]
+    w.success("t")
+    assert set(w.state.data) == {"s", "t"}
+    w.free("s")
+    assert set(w.state.data) == {"t"}
+
+
+def test_scattered_data_replaces_a_fetch(w: Wk) -> None:
+    w.compute("t", {"a": ["p1"]})
+    out = w.scatter({"a": 5})
+    assert executes(out) == ["t"]
+    assert w.state.data["a"] == 5
+    # the late reply changes nothing
+    w.gathered("p1", {"a": 6}, ["a"])
+    assert w.state.data["a"] == 5
+
+
+def test_scattered_data_for_a_running_task_leaves_the_computation(w: Wk) -> None:
+    w.compute("x")
+    assert w.scatter({"x": 5}) == []
+    assert w.state.tasks["x"].state == "executing"
+    assert ops(w.success("x", value=7)) == [("task-finished", "x")]
+    assert w.state.data["x"] == 7
+
+
+def test_scattered_data_for_a_cancelled_task_keeps_its_thread_busy(w: Wk) -> None:
+    w.compute("x")
+    w.free("x")
+    w.scatter({"x": 5})
+    assert w.state.data == {"x": 5}
+    out = w.compute("y")
+    assert executes(out) == [], "x's thread has not returned yet"
+    out = w.success("x", value=7)
+    assert sent(out) == []
+    assert executes(out) == ["y"]
+    assert w.state.data == {"x": 5}
+
+
+def test_unknown_keys_are_ignored(w: Wk) -> None:
+    assert w.success("ghost") == []
+    assert w.failure("ghost") == []
+    assert w.free("ghost") == []
+    assert w.gathered("p9", {"ghost": 1}, ["ghost"]) == []
+    assert w.gather_failed("p9", ["ghost"]) == []
+    assert w.state.tasks == {} and w.state.data == {}
+
+
+def test_a_worker_needs_a_thread() -> None:
+    with pytest.raises(ValueError, match="at least one thread"):
+        WorkerState(ME, nthreads=0)
+
+
+def test_validate_catches_a_broken_invariant(w: Wk) -> None:
+    w.compute("x")
+    w.state.data["x"] = 1
+    with pytest.raises(AssertionError):
+        w.state.validate()
+    del w.state.data["x"]
+
+
+# =================================================================== stateful test
+
+
+PEERS = ("p1", "p2", "p3")
+KEYS = [f"k{i}" for i in range(10)]
+
+
+class WorkerMachine(RuleBasedStateMachine):
+    """Random plausible events from the scheduler, the executor and peers; at the end,
+    with every thread and fetch answered, every task the scheduler still wants here was
+    reported, and nothing is left but values the scheduler knows about."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25)
+        #: keys with a running executor thread
+        self.threads: set[Any] = set()
+        #: outstanding GatherDep requests
+        self.requests: dict[str, list[Any]] = {}
+        #: keys the scheduler asked for and did not free since -> reported since?
+        self.wanted: dict[Any, bool] = {}
+        #: holders the scheduler named for each key
+        self.told: dict[Any, set[str]] = {}
+
+    def apply(self, *events: Any) -> list[Any]:
+        out = self.h(*events)
+        st_ = self.h.state
+        for inst in out:
+            if isinstance(inst, Execute):
+                assert inst.key not in self.threads, f"{inst.key} is already running"
+                assert st_.tasks[inst.key].state == "executing"
+                self.threads.add(inst.key)
+            elif isinstance(inst, GatherDep):
+                assert inst.worker not in self.requests, f"a second request to {inst.worker}"
+                assert inst.worker != ME
+                assert len(inst.keys) == 1 or inst.total_nbytes <= st_.gather_bytes
+                for k in inst.keys:
+                    assert st_.tasks[k].state == "flight" and st_.tasks[k].coming_from == inst.worker
+                self.requests[inst.worker] = list(inst.keys)
+            elif isinstance(inst, SendMsg):
+                op, key = inst.msg["op"], inst.msg["key"]
+                if op in ("task-finished", "task-erred", "reschedule"):
+                    assert key in self.wanted, f"{op} for {key}, which the scheduler did not ask for (or freed)"
+                    self.wanted[key] = True
+                else:
+                    assert op == "missing-data" and inst.msg["errant_worker"] in self.told[key], inst.msg
+        assert len(self.threads) <= st_.nthreads
+        assert len(self.requests) <= st_.max_gathers
+        return out
+
+    @rule(
+        key=st.integers(0, len(KEYS) - 1),
+        deps=st.lists(st.tuples(st.integers(0, len(KEYS) - 1), st.sets(st.sampled_from((*PEERS, ME)), max_size=2),
+                                st.integers(1, 20)), max_size=3),
+        priority=st.integers(0, 5),
+    )
+    def compute(self, key: int, deps: list[tuple[int, set[str], int]], priority: int) -> None:
+        # dependencies have smaller indices, so the graph has no cycle
+        who_has = {KEYS[d]: sorted(holders) for d, holders, _ in deps if d < key}
+        nbytes = {KEYS[d]: n for d, _, n in deps if d < key}
+        for k, holders in who_has.items():
+            self.told.setdefault(k, set()).update(holders)
+        self.wanted[KEYS[key]] = False
+        self.apply(ComputeTaskEvent(self.h.sid(), KEYS[key], f"payload-{key}", who_has, nbytes, (priority,)))
+
+    @precondition(lambda self: self.h.state.tasks)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.h.state.tasks)), min_size=1, max_size=3))
+        for k in keys:
+            self.wanted.pop(k, None)
+        self.apply(FreeKeysEvent(self.h.sid(), keys))
+
+    @precondition(lambda self: self.threads)
+    @rule(data=st.data(), ok=st.booleans(), nbytes=st.integers(1, 30))
+    def thread_done(self, data: st.DataObject, ok: bool, nbytes: int) -> None:
+        key = data.draw(st.sampled_from(sorted(self.threads)))
+        self.threads.discard(key)
+        if ok:
+            self.apply(ExecuteSuccessEvent(self.h.sid(), key, f"value-{key}", nbytes))
+        else:
+            self.apply(ExecuteFailureEvent(self.h.sid(), key, "exc", "tb", "Boom: x"))
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), fail=st.booleans())
+    def gather_done(self, data: st.DataObject, fail: bool) -> None:
+        peer = data.draw(st.sampled_from(sorted(self.requests)))
+        keys = self.requests.pop(peer)
+        if fail:
+            self.apply(GatherDepFailureEvent(self.h.sid(), peer, keys, "connection refused"))
+        else:
+            present = data.draw(st.sets(st.sampled_from(keys)))
+            self.apply(GatherDepSuccessEvent(self.h.sid(), peer, {k: f"value-{k}" for k in present}, keys,
+                                             {k: 1 for k in present}))
+
+    @rule(key=st.integers(0, len(KEYS) - 1))
+    def scatter(self, key: int) -> None:
+        self.apply(UpdateDataEvent(self.h.sid(), {KEYS[key]: f"scattered-{key}"}, {KEYS[key]: 3}))
+
+    @invariant()
+    def valid(self) -> None:
+        self.h.state.validate()
+
+    def teardown(self) -> None:
+        for _ in range(1000):
+            if not self.threads and not self.requests:
+                break
+            for key in sorted(self.threads):
+                self.threads.discard(key)
+                self.apply(ExecuteSuccessEvent(self.h.sid(), key, f"value-{key}", 1))
+            for peer in sorted(self.requests):
+                keys = self.requests.pop(peer)
+                self.apply(GatherDepSuccessEvent(self.h.sid(), peer, {k: f"value-{k}" for k in keys}, keys,
+                                                 {k: 1 for k in keys}))
+        else:
+            raise AssertionError("the worker never settled")
+        s = self.h.state
+        left = {k: (ts.state, ts.origin) for k, ts in s.tasks.items() if ts.state != "memory" or ts.origin == "fetched"}
+        assert not left, f"settled, but not done: {left}"
+        assert set(s.data) == set(s.tasks)
+        assert not s.executing and not s.fetching and not s.in_flight_workers
+        unreported = [k for k, done in self.wanted.items() if not done]
+        assert not unreported, f"never reported to the scheduler: {unreported}"
+
+
+TestWorkerMachine = WorkerMachine.TestCase
+TestWorkerMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
