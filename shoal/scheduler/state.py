@@ -416,9 +416,8 @@ class SchedulerState:
                 ts.dependencies.add(dep)
                 dep.dependents.add(ts)
         for key in ev.wanted:
-            ts = self.tasks.get(key)
-            if ts is not None:
-                ts.who_wants.add(ev.client)
+            if key in self.tasks:
+                self.tasks[key].who_wants.add(ev.client)
         self.clients.add(ev.client)
         recs: dict[TaskState, str] = {}
         for ts in created:
@@ -430,15 +429,15 @@ class SchedulerState:
             recs[ts] = "waiting"
         # wanted keys that already existed: tell the client now, or compute them again
         for key in ev.wanted:
-            ts = self.tasks.get(key)
-            if ts is None or key in new:
+            old = self.tasks.get(key)
+            if old is None or key in new:
                 continue
-            if ts.state == "memory":
-                self._to_clients(ts, self._in_memory_msg(ts), only=ev.client)
-            elif ts.state == "erred":
-                self._report_error(ts, only=ev.client)
-            elif ts.state == "released":
-                recs[ts] = "waiting"
+            if old.state == "memory":
+                self._to_clients(old, self._in_memory_msg(old), only=ev.client)
+            elif old.state == "erred":
+                self._report_error(old, only=ev.client)
+            elif old.state == "released":
+                recs[old] = "waiting"
         self._recommend(recs)
 
     def _refuse_graph(self, ev: UpdateGraphEvent, reason: str) -> None:
@@ -601,7 +600,8 @@ class SchedulerState:
     def _released_waiting(self, ts: TaskState) -> dict[TaskState, str]:
         if ts.payload is None:
             # data put on workers directly (scatter) cannot be recomputed
-            return self._err(ts, None, None, f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed", kind="LostData")
+            text = f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed"
+            return self._err(ts, None, None, text, kind="LostData")
         recs: dict[TaskState, str] = {}
         ts.state = "waiting"
         ts.waiting_on = set()
@@ -738,7 +738,8 @@ class SchedulerState:
 
     # -- helpers
 
-    def _err(self, ts: TaskState, exception: Any, traceback: Any, text: str, blame: TaskState | None = None, kind: str = "") -> dict[TaskState, str]:
+    def _err(self, ts: TaskState, exception: Any, traceback: Any, text: str,
+             blame: TaskState | None = None, kind: str = "") -> dict[TaskState, str]:
         """Mark ``ts`` and every dependent erred; tell the clients that want them.
 
         Returns recommendations: inputs nobody needs any more are forgotten, and so is

@@ -59,6 +59,12 @@ class Sched:
     def ts(self, key: Any) -> TaskState:
         return self.state.tasks[key]
 
+    def on(self, key: Any) -> str:
+        """The worker ``key`` is processing on."""
+        ws = self.ts(key).processing_on
+        assert ws is not None, f"{key!r} is not processing"
+        return ws.address
+
     def add_worker(self, address: str, nthreads: int = 1) -> list[Any]:
         return self(AddWorkerEvent(self.sid(), address, nthreads))
 
@@ -238,7 +244,7 @@ def test_placement_ties_go_to_the_least_busy_worker(s: Sched) -> None:
     s.scatter({"x": ["w1", "w2"]}, {"x": 100})
     # w1 gets busy with a task restricted to it
     s.submit(task("busy", workers=["w1"]))
-    assert s.ts("busy").processing_on.address == "w1"
+    assert s.on("busy") == "w1"
     out = s.submit(task("z", "x"))
     assert computes(out) == [("w2", "z")]
     # without inputs, the least busy worker (relative to its threads) gets the task
@@ -375,13 +381,13 @@ def test_retries_rerun_a_failed_task(s: Sched) -> None:
     s.add_worker("w1")
     s.add_worker("w2")
     s.submit(task("x", retries=2))
-    w = s.ts("x").processing_on.address
+    w = s.on("x")
     out = s.err(w, "x")
     assert [k for _, k in computes(out)] == ["x"]
     assert not msgs(out)
-    out = s.err(s.ts("x").processing_on.address, "x")
+    out = s.err(s.on("x"), "x")
     assert [k for _, k in computes(out)] == ["x"]
-    out = s.err(s.ts("x").processing_on.address, "x", text="Boom: third")
+    out = s.err(s.on("x"), "x", text="Boom: third")
     assert reported(out, "task-erred") == [("c", "x")]
     assert msgs(out)[0][1]["text"] == "Boom: third"
     assert s.ts("x").state == "erred"
@@ -407,7 +413,7 @@ def test_release_forgets_tasks_and_frees_their_holders(s: Sched) -> None:
     s.add_worker("w2")
     s.scatter({"x": ["w1", "w2"]})
     s.submit(task("y"))
-    s.finish(s.ts("y").processing_on.address, "y")
+    s.finish(s.on("y"), "y")
     y_on = next(iter(s.ts("y").who_has)).address
     out = s.release("x", "y")
     expected: dict[str, set[Any]] = {"w1": {"x"}, "w2": {"x"}}
@@ -601,7 +607,7 @@ def test_lost_input_of_a_waiting_task_is_recomputed(s: Sched) -> None:
     s.add_worker("w1")
     s.add_worker("w2")
     s.submit(task("a"), task("b", workers=["w2"]), task("c", "a", "b"), wanted=["c"])
-    assert s.ts("a").processing_on.address == "w1"
+    assert s.on("a") == "w1"
     s.finish("w1", "a")
     assert s.ts("c").waiting_on == {s.ts("b")}
     out = s.remove_worker("w1", crashed=False)
@@ -629,7 +635,7 @@ def test_lost_input_of_a_queued_task_sends_it_back_to_waiting(s: Sched) -> None:
     s.add_worker("w2", nthreads=1)
     s.submit(*(task(f"busy{i}", workers=["w2"]) for i in range(3)))
     s.submit(task("a"), task("b", "a", workers=["w2"]), wanted=["b"])
-    assert s.ts("a").processing_on.address == "w1"
+    assert s.on("a") == "w1"
     s.finish("w1", "a")
     assert s.ts("b").state == "queued"
     s.add_worker("w3")
@@ -701,7 +707,7 @@ def test_missing_data_drops_the_replica_and_recomputes_the_last(s: Sched) -> Non
     s.add_worker("w1", nthreads=1)
     s.add_worker("w2", nthreads=1)
     s.submit(task("x"))
-    w = s.ts("x").processing_on.address
+    w = s.on("x")
     s.finish(w, "x", nbytes=8)
     other = "w2" if w == "w1" else "w1"
     s.finish(other, "x", nbytes=8)  # a second copy (e.g. a retried worker)
@@ -752,7 +758,7 @@ def test_a_late_result_from_another_worker_is_freed(s: Sched) -> None:
     s.add_worker("w1")
     s.add_worker("w2")
     s.submit(task("x"))
-    w = s.ts("x").processing_on.address
+    w = s.on("x")
     other = "w2" if w == "w1" else "w1"
     out = s.finish(other, "x")
     assert frees(out) == {other: {"x"}}
@@ -937,7 +943,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         existing = sorted(self.h.state.tasks, key=repr)
         keys: list[Any] = []
         tasks: list[NewTask] = []
-        for dep_idx, restrict, retries, wanted in shape:
+        for dep_idx, restrict, retries, _ in shape:
             key = f"k{next(self.key_ids)}"
             pool = existing + keys
             deps = sorted({pool[i % len(pool)] for i in dep_idx}) if pool else []
@@ -948,7 +954,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 workers = ["w-none"]
             tasks.append(NewTask(key, f"payload-{key}", deps, workers, retries if retries < 2 else 0))
             keys.append(key)
-        wanted = [t.key for t, (_, _, _, w) in zip(tasks, shape) if w] or [keys[-1]]
+        wanted = [t.key for t, (_, _, _, w) in zip(tasks, shape, strict=True) if w] or [keys[-1]]
         if existing:
             for i in resubmit:
                 k = existing[i % len(existing)]
@@ -966,15 +972,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.h.states() == before
 
     @precondition(lambda self: self.processing())
-    @rule(i=st.integers(0, 100), nbytes=st.integers(0, 1000), fetched=st.booleans())
-    def finish(self, i: int, nbytes: int, fetched: bool = False) -> None:
+    @rule(i=st.integers(0, 100), nbytes=st.integers(0, 1000), fetched=st.booleans(),
+          duration=st.sampled_from([0.0, 0.0001, 0.01]))
+    def finish(self, i: int, nbytes: int, fetched: bool = False, duration: float = 0.0) -> None:
         ts = self.pick(self.processing(), i)
         if not fetched and any(d.state != "memory" for d in ts.dependencies):
             # its worker cannot get an input that was lost meanwhile: it gives the task back
             # (unless it had fetched the input before: then it finishes)
             self.apply(RescheduleEvent(self.h.sid(), ts.processing_on.address, ts.key))
         else:
-            self.apply(TaskFinishedEvent(self.h.sid(), ts.processing_on.address, ts.key, nbytes))
+            # short tasks make the scheduler hand out more at once (adaptive look-ahead)
+            self.apply(TaskFinishedEvent(self.h.sid(), ts.processing_on.address, ts.key, nbytes, duration))
 
     @precondition(lambda self: self.processing())
     @rule(i=st.integers(0, 100))

@@ -358,6 +358,36 @@ def test_free_keys_of_a_value_still_needed_keeps_it(w: Wk) -> None:
     assert "x" not in w.state.data and "x" not in w.state.tasks, "then it is dropped"
 
 
+def test_free_keys_of_a_task_and_its_input_together_gives_nothing_back() -> None:
+    w = Wk(nthreads=1)
+    w.compute("busy")
+    w.compute("a")  # ready, not started
+    w.compute("b", {"a": []})  # waits for a, computed here
+    assert w.states()["b"] == "waiting"
+    assert w.free("a", "b") == []
+    assert set(w.state.tasks) == {"busy"}
+
+
+def test_free_keys_of_an_input_not_started_gives_its_dependent_back() -> None:
+    w = Wk(nthreads=1)
+    w.compute("busy")
+    w.compute("a")
+    w.compute("b", {"a": []})
+    out = w.free("a")
+    assert ops(out) == [("reschedule", "b")], "b cannot get a from anywhere now"
+    assert set(w.state.tasks) == {"busy"}
+
+
+def test_free_keys_of_an_input_not_started_fetches_it_if_held_elsewhere() -> None:
+    w = Wk(nthreads=1)
+    w.compute("busy")
+    w.compute("a")
+    w.compute("b", {"a": ["p1"]})
+    out = w.free("a")
+    assert gathers(out) == [("p1", ["a"], 1)]
+    assert ops(out) == []
+
+
 def test_free_keys_of_a_computed_value(w: Wk) -> None:
     w.compute("x")
     w.success("x")
@@ -501,7 +531,7 @@ class WorkerMachine(RuleBasedStateMachine):
                     assert key in self.wanted, f"{op} for {key}, which the scheduler did not ask for (or freed)"
                     self.wanted[key] = True
                 else:
-                    assert op == "missing-data" and inst.msg["errant_worker"] in self.told[key], inst.msg
+                    assert op == "missing-data" and inst.msg["errant_worker"] in self.told.get(key, ()), inst.msg
         assert len(self.threads) <= st_.nthreads
         assert len(self.requests) <= st_.max_gathers
         return out
