@@ -30,6 +30,8 @@ _DEFAULTS: dict[str, Any] = {
     "pool-limit": 512,
     # a task whose arguments are larger than this warns once, suggesting scatter (0: never)
     "large-payload-bytes": 1_000_000,
+    # worker results whose buffers hold at least this many bytes go to shared memory
+    "shm-threshold": 1 << 16,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

@@ -172,7 +172,7 @@ def message_bytes(msg: Any) -> bytes:
     return frame_bytes([msgpack.packb(msg, use_bin_type=True)])
 
 
-def handshake_bytes(protocol: int = 1, **extra: Any) -> bytes:
+def handshake_bytes(protocol: int = 2, **extra: Any) -> bytes:
     return message_bytes({"op": "handshake", "protocol": protocol, "pid": 1, "host": "elsewhere", **extra})
 
 
@@ -207,6 +207,19 @@ def recv_until_closed(sock: socket.socket) -> bytes:
     return b"".join(data)
 
 
+def complete_handshake(sock: socket.socket) -> dict:
+    """Send our handshake, read the peer's, then the shared-memory probe answers both
+    ways (we offer no probe and say we cannot map the peer's). Returns the peer's."""
+    sock.sendall(handshake_bytes())
+    (info,) = recv_frames(sock)
+    peer = msgpack.unpackb(info)
+    assert peer["op"] == "handshake"
+    sock.sendall(message_bytes({"op": "handshake-shm", "can_map": False}))
+    (answer,) = recv_frames(sock)
+    assert msgpack.unpackb(answer)["op"] == "handshake-shm"
+    return peer
+
+
 def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> socket.socket:
     """A blocking socket to a ``tcp://host:port`` shoal endpoint, after (by default) a
     valid handshake in both directions."""
@@ -214,9 +227,7 @@ def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> 
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     try:
         if handshake:
-            sock.sendall(handshake_bytes())
-            (info,) = recv_frames(sock)
-            assert msgpack.unpackb(info)["op"] == "handshake"
+            complete_handshake(sock)
     except BaseException:
         sock.close()
         raise

@@ -26,9 +26,9 @@ from typing import Any
 
 from .. import config
 from .._loop import LoopThread
-from ..comm import Comm, connect
+from ..comm import Comm, connect, shm
 from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
-from ..protocol import Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..protocol import SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC
 from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
 from . import graphs
@@ -82,6 +82,7 @@ class Client:
         self._loop_thread: LoopThread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scatter_rr = itertools.count()
+        self._use_shm = False
         if not asynchronous:
             self._loop_thread = LoopThread(name=f"shoal-{self.id}")
             self.loop = self._loop_thread.loop
@@ -122,6 +123,8 @@ class Client:
             comm.abort()
             raise RuntimeError(f"the scheduler refused this client: {reply!r:.200}")
         self._comm = comm
+        # values in shared memory: mapped when this process shares the domain (tried, not assumed)
+        self._use_shm = shm.enabled()
         self._stream = BatchedSend(name=f"{self.id}-to-scheduler")
         self._stream.start(comm)
         self._pool = ConnectionPool(deserialize=True, timeout=self.timeout)
@@ -318,7 +321,7 @@ class Client:
         if st is None:
             return
         if op == "key-in-memory":
-            st.finish(msg.get("workers") or [])
+            st.finish(msg.get("workers") or [], msg.get("shm"))
         elif op == "task-erred":
             st.set_error(_rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
         elif op == "cancelled-key":
@@ -463,6 +466,15 @@ class Client:
                     assert st.exception is not None
                     raise st.exception
             need = [st for st in states if st.status == "finished" and st.key not in values]
+            if self._use_shm:
+                # values in shared memory on this host: map them, no worker involved
+                for st in need:
+                    if st.shm is not None:
+                        try:
+                            values[st.key] = shm.attach(st.shm)
+                        except (OSError, ValueError):
+                            st.shm = None
+                need = [st for st in need if st.key not in values]
             by_worker: dict[str, list[Any]] = {}
             unknown: list[Any] = []
             for st in need:
@@ -735,6 +747,8 @@ def _rebuild_exception(msg: dict[str, Any]) -> BaseException:
             exc = LostDataError(text.removeprefix("LostData: "))
         elif kind == "ValueError":
             exc = ValueError(text.removeprefix("ValueError: "))
+        elif kind == "KeyError":
+            exc = KeyError(text.removeprefix("KeyError: "))
         else:
             exc = RemoteError(text or f"task {msg.get('key')!r} failed", text.split(":")[0], str(msg.get("traceback") or ""))
     tb = msg.get("traceback")

@@ -27,7 +27,7 @@ class FutureState:
     Changed only on the client's event loop.
     """
 
-    __slots__ = ("key", "status", "exception", "traceback", "workers", "_event", "_callbacks", "_lock")
+    __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "_event", "_callbacks", "_lock")
 
     def __init__(self, key: Any):
         self.key = key
@@ -35,6 +35,8 @@ class FutureState:
         self.exception: BaseException | None = None
         self.traceback: str | None = None
         self.workers: list[str] = []
+        #: where the value lies in shared memory, if its worker placed it there
+        self.shm: Any = None
         self._event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -54,9 +56,10 @@ class FutureState:
         for cb in callbacks:
             cb()
 
-    def finish(self, workers: list[str]) -> None:
+    def finish(self, workers: list[str], shm: Any = None) -> None:
         self.status = "finished"
         self.workers = list(workers)
+        self.shm = shm
         self.exception = self.traceback = None
         self._done()
 
@@ -75,6 +78,7 @@ class FutureState:
         """The value was lost with a worker; it is being recomputed."""
         self.status = "lost"
         self.workers = []
+        self.shm = None
         if self._event is not None:
             self._event.clear()
 

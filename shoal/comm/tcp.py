@@ -41,14 +41,14 @@ from ..errors import (
     ProtocolError,
     ShoalError,
 )
-from ..protocol import loads, prepare
+from ..protocol import REMOTE, SAME_HOST, loads, prepare
+from . import shm
 from .core import (
     Backend,
     Comm,
     Handler,
     Listener,
     check_handshake,
-    destination_for,
     local_info,
     register_backend,
     run_handler,
@@ -200,7 +200,12 @@ class _FrameProtocol(asyncio.BufferedProtocol):
             need = self._need()
             avail = self._end - self._start
             if need >= _DIRECT:
-                buf = alloc_buffer(need) if self._lengths is not None else bytearray(need)
+                try:
+                    buf = alloc_buffer(need) if self._lengths is not None else bytearray(need)
+                except (MemoryError, OSError) as exc:
+                    raise ProtocolError(
+                        f"cannot allocate {need:,} bytes for a frame the peer announced ({exc})"
+                    ) from exc
                 view = memoryview(buf)
                 take = min(avail, need)
                 view[:take] = self._view[self._start : self._start + take]
@@ -590,17 +595,34 @@ def _format(host: str, port: int) -> str:
 
 
 async def _handshake(comm: TCPComm, timeout: float) -> None:
+    """Exchange handshakes, then learn whether the peer shares our shared-memory domain:
+    each side offers a probe segment, tries to open the other's, and says whether it
+    could. The destination is ``same-host`` when the peer can map what we create."""
+    probe = shm.probe()
     try:
-        await comm.write(local_info())
+        mine = local_info()
+        if probe is not None:
+            mine["shm_probe"] = list(probe)
+        await comm.write(mine)
         info = await asyncio.wait_for(comm.read(), timeout)
         comm.peer_info = check_handshake(info, comm.peer_address)
+        offered = info.get("shm_probe")
+        can_map = isinstance(offered, list) and len(offered) == 2 and shm.check_probe(*offered)
+        await comm.write({"op": "handshake-shm", "can_map": can_map})
+        answer = await asyncio.wait_for(comm.read(), timeout)
+        if not isinstance(answer, dict) or answer.get("op") != "handshake-shm":
+            raise HandshakeError(f"{comm.peer_address} did not answer the shared-memory probe (got {answer!r:.100})")
     except HandshakeError:
         comm.abort()
         raise
     except (ShoalError, asyncio.TimeoutError) as exc:
         comm.abort()
         raise HandshakeError(f"handshake with {comm.peer_address} failed: {exc!r}") from exc
-    comm.destination = destination_for(comm.peer_info)
+    finally:
+        if probe is not None:
+            shm.unlink(probe[0])
+    comm.peer_info["shm"] = {"peer_maps_ours": bool(answer.get("can_map")), "we_map_theirs": can_map}
+    comm.destination = SAME_HOST if answer.get("can_map") is True else REMOTE
 
 
 class TCPListener(Listener):

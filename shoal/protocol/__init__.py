@@ -16,7 +16,7 @@ from .serialize import (
     to_serialize,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -148,7 +148,10 @@ class Scheduler:
                 for msg in batch if isinstance(batch, list) else [batch]:
                     if isinstance(msg, dict) and msg.get("op") == "unregister":
                         clean = True
-                    self._worker_msg(address, msg)
+                    try:
+                        self._worker_msg(address, msg)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        logger.error("worker %s sent a malformed message (%s): %.200r", address, exc, msg)
                 if clean:
                     break
         except CommError:
@@ -188,7 +191,7 @@ class Scheduler:
         sid = self._stimulus(str(op))
         if op == "task-finished":
             self._apply(TaskFinishedEvent(sid, address, msg["key"], int(msg.get("nbytes") or 0),
-                                          float(msg.get("duration") or 0.0)))
+                                          float(msg.get("duration") or 0.0), msg.get("shm")))
         elif op == "task-erred":
             self._apply(TaskErredEvent(sid, address, msg["key"], msg.get("exception"),
                                        msg.get("traceback"), str(msg.get("text", ""))))
@@ -215,7 +218,10 @@ class Scheduler:
                     if isinstance(msg, dict) and msg.get("op") == "close-client":
                         closing = True
                         continue
-                    self._client_msg(client, msg)
+                    try:
+                        self._client_msg(client, msg)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        logger.error("client %s sent a malformed message (%s): %.200r", client, exc, msg)
                 if closing:
                     break
         except CommError:
@@ -240,6 +246,13 @@ class Scheduler:
                 ]
             except (KeyError, TypeError, ValueError) as exc:
                 logger.error("client %s sent a malformed graph: %r", client, exc)
+                wanted = msg.get("wanted")
+                for key in wanted if isinstance(wanted, list) else []:
+                    self._do(ClientMsg(sid, client, {
+                        "op": "task-erred", "key": key, "exception": None, "traceback": None,
+                        "text": f"GraphError: the scheduler could not read this graph: {exc!r}",
+                        "kind": "GraphError", "blame": key,
+                    }))
                 return
             self._apply(UpdateGraphEvent(sid, client, tasks, list(msg.get("wanted") or ())))
         elif op == "release-keys":
@@ -273,6 +286,8 @@ class Scheduler:
                 "op": "compute-task", "key": inst.key, "payload": inst.payload,
                 "who_has": inst.who_has, "nbytes": inst.nbytes, "priority": list(inst.priority),
             }
+            if inst.shm:
+                msg["shm"] = inst.shm
             self._send_worker(inst.worker, msg)
         elif isinstance(inst, FreeKeys):
             self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys})

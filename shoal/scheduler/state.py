@@ -46,6 +46,27 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .events import (
+    AddClientEvent,
+    AddWorkerEvent,
+    CancelKeysEvent,
+    ClientMsg,
+    ComputeTask,
+    Event,
+    FreeKeys,
+    Instruction,
+    MissingDataEvent,
+    NewTask,
+    ReleaseKeysEvent,
+    RemoveClientEvent,
+    RemoveWorkerEvent,
+    RescheduleEvent,
+    TaskErredEvent,
+    TaskFinishedEvent,
+    UpdateDataEvent,
+    UpdateGraphEvent,
+)
+
 __all__ = [
     "SchedulerState",
     "TaskState",
@@ -127,154 +148,15 @@ class TaskState:
     exception_blame: TaskState | None = None
     #: for errors the scheduler raises itself: "KilledWorker", "LostData", ...
     error_kind: str = ""
+    #: where the value lies in shared memory (opaque, from the worker that placed it)
+    shm: Any = None
+    shm_owner: str = ""
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
 
     def __lt__(self, other: TaskState) -> bool:
         return self.priority < other.priority
-
-
-# ------------------------------------------------------------------------------ events
-
-
-@dataclass
-class Event:
-    stimulus_id: str
-
-
-@dataclass
-class AddWorkerEvent(Event):
-    address: str
-    nthreads: int
-    host: str = ""
-    pid: int = 0
-    name: str = ""
-
-
-@dataclass
-class RemoveWorkerEvent(Event):
-    address: str
-    #: whether the worker died (its running tasks count as suspicious) or left cleanly
-    crashed: bool = True
-
-
-@dataclass
-class AddClientEvent(Event):
-    client: str
-
-
-@dataclass
-class RemoveClientEvent(Event):
-    client: str
-
-
-@dataclass
-class NewTask:
-    """One task of a graph: dependencies are keys; ``payload`` stays opaque."""
-
-    key: Key
-    payload: Any
-    dependencies: list[Key] = field(default_factory=list)
-    restrictions: list[str] | None = None
-    retries: int = 0
-
-
-@dataclass
-class UpdateGraphEvent(Event):
-    client: str
-    tasks: list[NewTask]
-    #: keys the client holds futures for
-    wanted: list[Key]
-
-
-@dataclass
-class TaskFinishedEvent(Event):
-    worker: str
-    key: Key
-    nbytes: int = 0
-    #: seconds the task ran on the worker
-    duration: float = 0.0
-
-
-@dataclass
-class TaskErredEvent(Event):
-    worker: str
-    key: Key
-    exception: Any = None
-    traceback: Any = None
-    exception_text: str = ""
-
-
-@dataclass
-class ReleaseKeysEvent(Event):
-    """A client no longer holds futures for these keys."""
-
-    client: str
-    keys: list[Key]
-
-
-@dataclass
-class CancelKeysEvent(Event):
-    """A client cancels these keys: released, and its futures learn they were cancelled."""
-
-    client: str
-    keys: list[Key]
-
-
-@dataclass
-class UpdateDataEvent(Event):
-    """Values placed directly on workers (``scatter``): ``{key: [worker, ...]}``."""
-
-    client: str
-    who_has: dict[Key, list[str]]
-    nbytes: dict[Key, int]
-
-
-@dataclass
-class MissingDataEvent(Event):
-    """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
-
-    key: Key
-    errant_worker: str
-
-
-@dataclass
-class RescheduleEvent(Event):
-    """A worker gives a task back (e.g. its inputs could not be fetched)."""
-
-    worker: str
-    key: Key
-
-
-# ------------------------------------------------------------------------ instructions
-
-
-@dataclass
-class Instruction:
-    stimulus_id: str
-
-
-@dataclass
-class ComputeTask(Instruction):
-    worker: str
-    key: Key
-    payload: Any
-    who_has: dict[Key, list[str]]
-    nbytes: dict[Key, int]
-    priority: tuple[int, ...]
-
-
-@dataclass
-class FreeKeys(Instruction):
-    worker: str
-    keys: list[Key]
-
-
-@dataclass
-class ClientMsg(Instruction):
-    client: str
-    msg: dict[str, Any]
 
 
 # -------------------------------------------------------------------------- the state
@@ -430,7 +312,16 @@ class SchedulerState:
         # wanted keys that already existed: tell the client now, or compute them again
         for key in ev.wanted:
             old = self.tasks.get(key)
-            if old is None or key in new:
+            if old is None:
+                # neither in this graph nor known: say so rather than leave a future hanging
+                self._emit(ClientMsg(self._stimulus, ev.client, {
+                    "op": "task-erred", "key": key, "exception": None, "traceback": None,
+                    "text": f"KeyError: {key!r} is neither in the submitted graph nor known "
+                            "to the scheduler (was it released?)",
+                    "kind": "KeyError", "blame": key,
+                }))
+                continue
+            if key in new:
                 continue
             if old.state == "memory":
                 self._to_clients(old, self._in_memory_msg(old), only=ev.client)
@@ -462,6 +353,7 @@ class SchedulerState:
             self._add_replica(ts, ws)
             return
         ts.nbytes = ev.nbytes
+        ts.shm, ts.shm_owner = (ev.shm, ws.address) if ev.shm is not None else (None, "")
         self._recommend(self._transition(ts, "memory", ws))
 
     def _task_erred(self, ev: TaskErredEvent) -> None:
@@ -652,7 +544,13 @@ class SchedulerState:
             {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
             {d.key: d.nbytes for d in sorted(ts.dependencies)},
             ts.priority,
+            {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
         ))
+
+    @staticmethod
+    def _shm_valid(ts: TaskState) -> bool:
+        """Whether ``ts``'s shared-memory copy still exists (its owner holds the key)."""
+        return ts.shm is not None and any(ws.address == ts.shm_owner for ws in ts.who_has)
 
     def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
         assert ts.processing_on is not None
@@ -791,8 +689,11 @@ class SchedulerState:
         }, only=only)
 
     def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        return {"op": "key-in-memory", "key": ts.key, "nbytes": ts.nbytes,
-                "workers": sorted(ws.address for ws in ts.who_has)}
+        msg = {"op": "key-in-memory", "key": ts.key, "nbytes": ts.nbytes,
+               "workers": sorted(ws.address for ws in ts.who_has)}
+        if self._shm_valid(ts):
+            msg["shm"] = ts.shm
+        return msg
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
         """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""

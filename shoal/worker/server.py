@@ -22,10 +22,15 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.core import local_info
 from ..errors import CommError
-from ..protocol import SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
+from .. import config
+from ..comm import shm
+from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server
 from ..taskspec import RunSpec, run
+from .store import WorkerStore
 from .state import (
+    SHM,
+    AttachShm,
     ComputeTaskEvent,
     Execute,
     ExecuteFailureEvent,
@@ -79,6 +84,9 @@ class Worker:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
         self.status = "created"
+        self.store = WorkerStore()
+        self._shm_warned = False
+        self.use_shm = False
         #: bytes of values this worker sent or received, by how they travelled
         self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
 
@@ -90,7 +98,8 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self._stopped = self.loop.create_future()
         await self.server.listen(self.listen_address)
-        self.state = WorkerState(self.address, self.nthreads)
+        self.store = WorkerStore()
+        self.state = WorkerState(self.address, self.nthreads, data=self.store)
         comm = await connect(self.scheduler_address, deserialize=False)
         await comm.write({
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
@@ -102,6 +111,8 @@ class Worker:
             await self.server.close()
             raise RuntimeError(f"the scheduler refused this worker: {reply!r:.200}")
         self.scheduler_comm = comm
+        # results go to shared memory when this worker is a process of its own
+        self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
         self.stream = BatchedSend(name="to-scheduler")
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
@@ -125,28 +136,41 @@ class Worker:
                 events = []
                 for msg in batch if isinstance(batch, list) else [batch]:
                     op = msg.get("op") if isinstance(msg, dict) else None
-                    if op == "compute-task":
-                        events.append(ComputeTaskEvent(
-                            self._stimulus("compute"), msg["key"], msg.get("payload"),
-                            msg.get("who_has") or {}, msg.get("nbytes") or {},
-                            tuple(msg.get("priority") or (0,)),
-                        ))
-                    elif op == "free-keys":
-                        events.append(FreeKeysEvent(self._stimulus("free"), list(msg.get("keys") or ())))
-                    elif op == "close":
-                        self._apply(*events)
-                        await self.close(report=False)
-                        return
-                    else:
-                        logger.error("unknown op from the scheduler: %r", msg)
-                if events:
-                    self._apply(*events)
+                    try:
+                        if op == "compute-task":
+                            events.append(ComputeTaskEvent(
+                                self._stimulus("compute"), msg["key"], msg.get("payload"),
+                                dict(msg.get("who_has") or {}), dict(msg.get("nbytes") or {}),
+                                tuple(msg.get("priority") or (0,)),
+                                dict(msg.get("shm") or {}),
+                            ))
+                        elif op == "free-keys":
+                            events.append(FreeKeysEvent(self._stimulus("free"), list(msg.get("keys") or ())))
+                        elif op == "close":
+                            self._apply_logged(events)
+                            await self.close(report=False)
+                            return
+                        else:
+                            logger.error("unknown op from the scheduler: %.200r", msg)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        logger.error("malformed message from the scheduler (%s): %.200r", exc, msg)
+                self._apply_logged(events)
         except CommError:
             if self.status == "running":
                 logger.warning("lost the scheduler connection; shutting down")
                 await self.close(report=False)
 
     # -- state machine driving
+
+    def _apply_logged(self, events: list[Any]) -> None:
+        """Apply events from the scheduler stream; a failure is logged, and the stream
+        keeps being read (a reader that died silently would strand every task)."""
+        if not events:
+            return
+        try:
+            self._apply(*events)
+        except Exception:
+            logger.exception("handling %d message(s) from the scheduler failed", len(events))
 
     def _apply(self, *events: Any) -> None:
         assert self.state is not None
@@ -156,6 +180,8 @@ class Worker:
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, Execute):
             self._execute(inst.key)
+        elif isinstance(inst, AttachShm):
+            self._attach(inst)
         elif isinstance(inst, GatherDep):
             self._spawn(self._gather_dep(inst))
         elif isinstance(inst, SendMsg):
@@ -176,8 +202,10 @@ class Worker:
         deps = {d.key: self.state.data[d.key] for d in ts.dependencies if d.key in self.state.data}
         loop = self.loop
         destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+        place = self.use_shm
 
         def work() -> None:
+            segment = None
             try:
                 spec = payload
                 if isinstance(spec, Serialize):
@@ -195,13 +223,18 @@ class Worker:
                     "".join(traceback.format_exception(exc)), f"{type(exc).__name__}: {exc}",
                 )
             else:
-                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, sizeof(value), duration)
+                segment = self._place(value) if place else None
+                if segment is not None:
+                    segment, value = segment
+                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, sizeof(value), duration,
+                                            None if segment is None else segment.info)
             try:
-                loop.call_soon_threadsafe(self._apply, event)
+                loop.call_soon_threadsafe(self._apply_result, event, segment)
             except RuntimeError:
-                pass  # the worker's loop is gone
+                if segment is not None:
+                    segment.unlink()  # the worker's loop is gone
 
-        self.executor.submit(work)
+        self.executor.submit(work).add_done_callback(_report_crash)
 
     async def _gather_dep(self, inst: GatherDep) -> None:
         try:
@@ -227,18 +260,58 @@ class Worker:
 
     # -- rpc handlers
 
+    def _place(self, value: Any) -> tuple[Any, Any] | None:
+        """Put a large result in shared memory (in the task's thread, before it is
+        reported, so that same-host peers never need this worker to serve it)."""
+        try:
+            return shm.place(value, config.get("shm-threshold"))
+        except shm.ShmUnavailable as exc:
+            if not self._shm_warned:
+                self._shm_warned = True
+                logger.warning("%s", exc)
+            return None
+
+    def _apply_result(self, event: Any, segment: Any) -> None:
+        if segment is not None:
+            self.store.expect(event.key, segment)
+        try:
+            self._apply(event)
+        finally:
+            if segment is not None:
+                self.store.unexpect(event.key)  # no-op when the store took the value
+
+    def _attach(self, inst: AttachShm) -> None:
+        """Map inputs that same-host peers placed in shared memory: no peer involved."""
+        data: dict[Any, Any] = {}
+        nbytes: dict[Any, int] = {}
+        for key, info in zip(inst.keys, inst.infos):
+            try:
+                value = shm.attach(info)
+            except (OSError, ValueError) as exc:
+                logger.info("cannot map %r from shared memory (%s); asking its holders", key, exc)
+                continue
+            data[key] = value
+            nbytes[key] = sizeof(value)
+        self.transfers["shm"] += sum(nbytes.values())
+        self._apply(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
+
     def identity(self, comm: Comm | None = None) -> dict[str, Any]:
         return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
                 "pid": os.getpid(), "host": socket.gethostname()}
 
-    def _count(self, comm: Comm, nbytes: int) -> None:
-        self.transfers["inproc" if comm.destination == SAME_PROCESS else "tcp"] += nbytes
+    def _count(self, comm: Comm, nbytes: int, values: Any = ()) -> None:
+        if comm.destination == SAME_PROCESS:
+            self.transfers["inproc"] += nbytes
+            return
+        mapped = sum(shm.shm_bytes(v) for v in values) if comm.destination == SAME_HOST else 0
+        self.transfers["shm"] += mapped
+        self.transfers["tcp"] += max(nbytes - mapped, 0)
 
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         assert self.state is not None
         data = self.state.data
         found = {k: data[k] for k in keys if k in data}
-        self._count(comm, sum(sizeof(v) for v in found.values()))
+        self._count(comm, sum(sizeof(v) for v in found.values()), found.values())
         return {"data": {k: to_serialize(v) for k, v in found.items()}}
 
     def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
@@ -278,8 +351,7 @@ class Worker:
             if task is not asyncio.current_task():
                 task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        if self.state is not None:
-            self.state.data.clear()
+        self.store.clear()
         self.status = "closed"
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
@@ -288,6 +360,12 @@ class Worker:
         """Wait until the worker has closed."""
         assert self._stopped is not None
         await asyncio.shield(self._stopped)
+
+
+def _report_crash(fut: Any) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        logger.error("a task thread failed outside the task itself", exc_info=exc)
 
 
 def _exception_for(exc: BaseException, destination: str) -> Any:

@@ -49,8 +49,13 @@ __all__ = [
     "UpdateDataEvent",
     "Execute",
     "GatherDep",
+    "AttachShm",
     "SendMsg",
+    "SHM",
 ]
+
+#: the pseudo-peer that stands for "map it from shared memory" in fetch bookkeeping
+SHM = "shm://"
 
 Key = Hashable
 
@@ -69,6 +74,8 @@ class WTask:
     who_has: set[str] = field(default_factory=set)
     nbytes: int = 0
     coming_from: str | None = None
+    #: where the value lies in shared memory, if its owner placed it there
+    shm: Any = None
     #: order of creation: breaks ties of priority, so runs do not depend on set order
     seq: int = 0
 
@@ -94,6 +101,8 @@ class ComputeTaskEvent(Event):
     who_has: dict[Key, list[str]]
     nbytes: dict[Key, int]
     priority: tuple[int, ...]
+    #: inputs that their owners placed in shared memory: key -> segment description
+    shm: dict[Key, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,6 +116,8 @@ class ExecuteSuccessEvent(Event):
     value: Any
     nbytes: int
     duration: float = 0.0
+    #: where the value was placed in shared memory (reported to the scheduler)
+    shm: Any = None
 
 
 @dataclass
@@ -157,6 +168,15 @@ class GatherDep(Instruction):
     worker: str
     keys: list[Key]
     total_nbytes: int
+
+
+@dataclass
+class AttachShm(Instruction):
+    """Map these inputs from shared memory (no peer involved); answer with
+    ``GatherDepSuccessEvent``/``GatherDepFailureEvent`` from worker ``SHM``."""
+
+    keys: list[Key]
+    infos: list[Any]
 
 
 @dataclass
@@ -234,7 +254,7 @@ class WorkerState:
         # an input nobody can send (not here, no other holder): give the task back, and
         # tell the scheduler when it believed this worker held the input
         unavailable = [k for k, holders in ev.who_has.items()
-                       if k not in self.tasks and not set(holders) - {self.address}]
+                       if k not in self.tasks and not set(holders) - {self.address} and k not in ev.shm]
         if unavailable:
             for k in unavailable:
                 if self.address in ev.who_has[k]:
@@ -262,6 +282,8 @@ class WorkerState:
             if dts.state == "memory":
                 continue
             dts.who_has.update(h for h in holders if h != self.address)
+            if dep_key in ev.shm and dts.state in ("released", "fetch"):
+                dts.shm = ev.shm[dep_key]
             ts.waiting_for_data.add(dts)
             if dts.state == "released":
                 dts.state = "fetch"
@@ -307,7 +329,10 @@ class WorkerState:
         ts.nbytes = ev.nbytes
         self._put(ts, ev.value)
         if ts.state == "memory" and ts.origin == "compute":
-            self._send({"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration})
+            msg = {"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration}
+            if ev.shm is not None:
+                msg["shm"] = ev.shm
+            self._send(msg)
         self._release_unneeded_deps(ts)
 
     def _execute_failure(self, ev: ExecuteFailureEvent) -> None:
@@ -337,6 +362,12 @@ class WorkerState:
                 self._missing_on(ts, ev.worker)
 
     def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
+        if ev.worker == SHM:
+            for ts in sorted(self.in_flight_workers.pop(SHM, set())):
+                if ts.state == "flight":
+                    ts.coming_from = None
+                    self._shm_failed(ts)
+            return
         flight = self.in_flight_workers.pop(ev.worker, set())
         for ts in sorted(flight):
             if ts.state != "flight":
@@ -391,7 +422,19 @@ class WorkerState:
                 if not dts.waiting_for_data and dts.state == "waiting":
                     self._make_ready(dts)
 
+    def _shm_failed(self, ts: WTask) -> None:
+        """The segment could not be mapped (gone, or not our domain): ask the holders."""
+        ts.shm = None
+        if ts.who_has:
+            ts.state = "fetch"
+            self.fetching.add(ts)
+        else:
+            self._lose(ts)
+
     def _missing_on(self, ts: WTask, worker: str) -> None:
+        if worker == SHM:
+            self._shm_failed(ts)
+            return
         ts.who_has.discard(worker)
         self._send({"op": "missing-data", "key": ts.key, "errant_worker": worker})
         self._lose(ts)
@@ -473,13 +516,22 @@ class WorkerState:
     def _ensure_communicating(self) -> None:
         if not self.fetching:
             return
-        budget = self.max_gathers - len(self.in_flight_workers)
+        if SHM not in self.in_flight_workers:
+            mappable = [t for t in sorted(self.fetching) if t.state == "fetch" and t.shm is not None]
+            if mappable:
+                for t in mappable:
+                    t.state = "flight"
+                    t.coming_from = SHM
+                    self.fetching.discard(t)
+                self.in_flight_workers[SHM] = set(mappable)
+                self._out.append(AttachShm(self._stimulus, [t.key for t in mappable], [t.shm for t in mappable]))
+        budget = self.max_gathers - len(self.in_flight_workers.keys() - {SHM})
         if budget <= 0:
             return
         for ts in sorted(self.fetching):
             if budget <= 0:
                 break
-            if ts.state != "fetch":
+            if ts.state != "fetch" or ts.shm is not None:
                 continue
             peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
             if not peers:
@@ -488,7 +540,7 @@ class WorkerState:
             batch = [ts]
             total = ts.nbytes
             for other in sorted(self.fetching):
-                if other is ts or other.state != "fetch" or peer not in other.who_has:
+                if other is ts or other.state != "fetch" or peer not in other.who_has or other.shm is not None:
                     continue
                 if total + other.nbytes > self.gather_bytes:
                     break
@@ -527,7 +579,7 @@ class WorkerState:
                 assert ts.origin == "fetched" and not ts.dependencies, ts
                 assert any(ts in d.waiting_for_data for d in ts.dependents), f"{ts} fetched for nobody"
             if ts.state == "fetch":
-                assert ts in self.fetching and ts.who_has, ts
+                assert ts in self.fetching and (ts.who_has or ts.shm is not None), ts
             if ts.state == "flight":
                 assert ts.coming_from is not None and ts in self.in_flight_workers[ts.coming_from], ts
             else:

@@ -29,6 +29,7 @@ from shoal_helpers import (
     LogWaiter,
     LoopThread,
     frame_bytes,
+    complete_handshake,
     handshake_bytes,
     log_waiter,
     message_bytes,
@@ -110,9 +111,7 @@ def _error_logged(caplog: pytest.LogCaptureFixture, *words: str) -> logging.LogR
 
 
 def _handshake_done(bad: socket.socket) -> None:
-    bad.sendall(handshake_bytes())
-    (info,) = recv_frames(bad)
-    assert msgpack.unpackb(info)["op"] == "handshake"
+    complete_handshake(bad)
 
 
 # ------------------------------------------------------------------------ before the handshake

@@ -258,6 +258,9 @@ async def test_handshake_info_and_destination(address):
             assert comm.peer_info["protocol"] == PROTOCOL_VERSION
             assert comm.peer_info["pid"] == os.getpid()
             assert comm.destination == (SAME_PROCESS if is_inproc(address) else SAME_HOST)
+            if not is_inproc(address):
+                # the shared-memory probe found the same /dev/shm both ways
+                assert comm.peer_info["shm"] == {"peer_maps_ours": True, "we_map_theirs": True}
         assert client.peer_address == server.local_address
         if not is_inproc(address):
             assert server.peer_address == client.local_address

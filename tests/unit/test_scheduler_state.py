@@ -1066,3 +1066,12 @@ TestSchedulerMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def test_wanted_key_unknown_to_everyone_is_reported_not_left_hanging():
+    s = SchedulerState()
+    out = s.handle(AddWorkerEvent("w", "tcp://w1", 1), UpdateGraphEvent("g", "c1", [], ["nowhere"]))
+    msgs = [i.msg for i in out if isinstance(i, ClientMsg)]
+    assert msgs and msgs[0]["op"] == "task-erred" and msgs[0]["kind"] == "KeyError"
+    assert "nowhere" in msgs[0]["text"]
+    s.validate()

@@ -1,0 +1,395 @@
+"""The same-host data plane: values in POSIX shared memory (``/dev/shm``).
+
+A *segment* holds one value: its pickle-5 stream and out-of-band buffers, each buffer
+64-byte aligned. The owner writes it once through a shared mapping and never again;
+readers (the owner's own tasks included) map it ``MAP_PRIVATE``, so an input array is
+writeable and a write copies only the touched pages: no reader ever changes what
+another sees, and reading needs no copy.
+
+Names are ``shoal-<pid>-<n>``: whoever finds a dead process's segments (its
+``LocalCluster``, its scheduler) removes them with :func:`sweep`. A reader that mapped a
+segment keeps valid memory after the owner unlinks the name.
+
+Whether two processes share a shared-memory domain is tested, not guessed from host
+names: one creates a probe segment and the other opens it (:func:`probe`,
+:func:`check_probe`). ``SHOAL_SHM=0`` turns the data plane off.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import pickle
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ShoalError
+
+__all__ = [
+    "SHM_DIR",
+    "enabled",
+    "ShmUnavailable",
+    "Segment",
+    "SegmentInfo",
+    "place",
+    "attach",
+    "unlink",
+    "sweep",
+    "probe",
+    "check_probe",
+    "segments_of",
+    "map_segment",
+    "locate",
+]
+
+SHM_DIR = "/dev/shm"
+PREFIX = "shoal-"
+_ALIGN = 64
+_counter = itertools.count()
+_lock = threading.Lock()
+_owned: set[str] = set()
+
+
+class ShmUnavailable(ShoalError):
+    """Shared memory cannot be used for this value (full, missing, or turned off)."""
+
+
+def enabled() -> bool:
+    """Whether this process may use the shared-memory data plane."""
+    return os.environ.get("SHOAL_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
+
+
+def _path(name: str) -> str:
+    if "/" in name or not name.startswith(PREFIX):
+        raise ValueError(f"not a shoal segment name: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def _new_name(kind: str = "") -> str:
+    return f"{PREFIX}{os.getpid()}-{kind}{next(_counter)}-{secrets.token_hex(4)}"
+
+
+# A segment's info travels in messages: [name, total size, pickle length, [[offset, length], ...]]
+SegmentInfo = list
+
+
+class Segment:
+    """A value placed in shared memory by this process (the owner's record)."""
+
+    __slots__ = ("name", "size", "info", "__weakref__")
+
+    def __init__(self, name: str, size: int, info: SegmentInfo):
+        self.name = name
+        self.size = size
+        self.info = info
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+    def __repr__(self) -> str:
+        return f"<Segment {self.name} {self.size} bytes>"
+
+
+def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | None:
+    """Put ``obj`` in a new segment if its out-of-band buffers hold at least
+    ``min_buffer_bytes``; return ``(segment, copy of obj backed by the segment)``, or
+    ``None`` when ``obj`` is not worth it. Raises :class:`ShmUnavailable` when shared
+    memory cannot take it (e.g. ``/dev/shm`` is full); nothing is left behind then.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        return None
+    raws = [b.raw() for b in buffers]
+    big = sum(r.nbytes for r in raws)
+    if big < min_buffer_bytes:
+        return None
+    layout: list[list[int]] = []
+    pos = _align(len(data))
+    for r in raws:
+        layout.append([pos, r.nbytes])
+        pos = _align(pos + r.nbytes)
+    size = max(pos, 1)
+    name = _new_name()
+    path = _path(name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot create {path}: {exc}") from exc
+    with _lock:
+        _owned.add(name)
+    try:
+        try:
+            # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise ShmUnavailable(
+                f"shared memory is full: {size:,} bytes do not fit in {SHM_DIR} "
+                f"({_free_bytes():,} bytes free); the value travels over tcp instead"
+            ) from exc
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
+            view = memoryview(m)
+            try:
+                view[: len(data)] = data
+                for (off, n), r in zip(layout, raws):
+                    _copy_into(view[off : off + n], r)
+            finally:
+                view.release()
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    os.close(fd)
+    info: SegmentInfo = [name, size, len(data), layout]
+    seg = Segment(name, size, info)
+    return seg, attach(info)
+
+
+def _copy_into(dst: memoryview, src: memoryview) -> None:
+    try:
+        import numpy as np
+    except ImportError:
+        dst[:] = src
+        return
+    # numpy copies without holding the GIL
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def attach(info: Sequence[Any]) -> Any:
+    """Map a segment copy-on-write and rebuild its value (zero-copy, writeable).
+
+    Raises ``FileNotFoundError`` if the segment is gone (unlinked, owner died) and
+    ``ValueError`` for a malformed description.
+    """
+    try:
+        name, size, nbytes, layout = info
+        size, nbytes = int(size), int(nbytes)
+        spans = [(int(o), int(n)) for o, n in layout]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed segment description {info!r:.200}") from exc
+    view = map_segment(name, size)
+    return pickle.loads(view[:nbytes], buffers=[view[o : o + n] for o, n in spans])
+
+
+# mapped segments of this process: name -> weak mapping, and address ranges -> name
+_maps: dict[str, weakref.ref[mmap.mmap]] = {}
+_ranges: dict[str, tuple[int, int]] = {}
+
+
+def map_segment(name: str, size: int) -> memoryview:
+    """A copy-on-write view of segment ``name`` (one mapping per segment and process,
+    alive while any value uses it). Raises ``FileNotFoundError`` if it is gone."""
+    with _lock:
+        ref = _maps.get(name)
+        m = ref() if ref is not None else None
+    if m is not None and len(m) >= size:
+        return memoryview(m)
+    fd = os.open(_path(name), os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"segment {name} is smaller than described")
+        m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    view = memoryview(m)
+    start = _address(view)
+    with _lock:
+        _maps[name] = weakref.ref(m, lambda _r, name=name: _forget(name))
+        if start is not None:
+            _ranges[name] = (start, start + size)
+    return view
+
+
+def _forget(name: str) -> None:
+    with _lock:
+        ref = _maps.get(name)
+        if ref is not None and ref() is None:
+            del _maps[name]
+            _ranges.pop(name, None)
+
+
+def _address(view: memoryview) -> int | None:
+    try:
+        import numpy as np
+
+        return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+    except Exception:
+        return None
+
+
+def locate(buffer: memoryview) -> tuple[str, int, int, int] | None:
+    """``(segment name, segment size, offset, length)`` if ``buffer`` lies inside a
+    segment this process has mapped, else ``None``."""
+    if not _ranges:
+        return None
+    start = _address(buffer)
+    if start is None:
+        return None
+    n = buffer.nbytes
+    with _lock:
+        for name, (lo, hi) in _ranges.items():
+            if lo <= start and start + n <= hi:
+                return name, hi - lo, start - lo, n
+    return None
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name (mappings stay valid); a missing name is fine."""
+    with _lock:
+        _owned.discard(name)
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+def owned() -> set[str]:
+    """Names of the segments this process created and has not unlinked."""
+    with _lock:
+        return set(_owned)
+
+
+def unlink_all() -> None:
+    """Remove every segment this process created (clean shutdown)."""
+    for name in owned():
+        unlink(name)
+
+
+def segments_of(pid: int) -> list[str]:
+    """Names of existing segments created by process ``pid``."""
+    prefix = f"{PREFIX}{pid}-"
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def sweep(pid: int) -> int:
+    """Remove the segments of a process that is gone; returns how many."""
+    names = segments_of(pid)
+    for name in names:
+        try:
+            os.unlink(_path(name))
+        except FileNotFoundError:
+            pass
+    return len(names)
+
+
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# --------------------------------------------------------------- same-domain probing
+
+
+def probe() -> tuple[str, str] | None:
+    """Create a probe segment holding a random token; returns ``(name, token)``.
+
+    The caller unlinks it (:func:`unlink`) once the peer has answered.
+    """
+    if not enabled():
+        return None
+    name = _new_name("probe")
+    token = secrets.token_hex(16)
+    try:
+        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    with _lock:
+        _owned.add(name)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return name, token
+
+
+def check_probe(name: Any, token: Any) -> bool:
+    """Whether this process can open the peer's probe (same shared-memory domain)."""
+    if not enabled() or not isinstance(name, str) or not isinstance(token, str):
+        return False
+    try:
+        fd = os.open(_path(name), os.O_RDONLY)
+    except (OSError, ValueError):
+        return False
+    try:
+        return os.read(fd, 64).decode(errors="replace") == token
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------- the same-host family: buffers by reference
+
+
+def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[Any]]:
+    """Pickle 5; buffers that already live in a segment travel as (name, offset,
+    length), the rest as frames."""
+    from ..protocol.serialize import pickle_dumps
+
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle_dumps(obj, buffer_callback=buffers.append)
+    refs: list[Any] = []
+    frames: list[Any] = [data]
+    for b in buffers:
+        raw = b.raw()
+        where = locate(raw) if enabled() else None
+        if where is None:
+            refs.append(None)
+            frames.append(raw)
+        else:
+            refs.append(list(where))
+    return ({"refs": refs} if any(r is not None for r in refs) else {}), frames
+
+
+def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
+    refs = header.get("refs")
+    if not refs:
+        return pickle.loads(frames[0], buffers=frames[1:])
+    buffers: list[Any] = []
+    it = iter(frames[1:])
+    for ref in refs:
+        if ref is None:
+            buffers.append(next(it))
+        else:
+            name, size, offset, length = ref
+            view = map_segment(name, int(size))
+            buffers.append(view[int(offset) : int(offset) + int(length)])
+    return pickle.loads(frames[0], buffers=buffers)
+
+
+def shm_bytes(obj: Any) -> int:
+    """Bytes of ``obj``'s buffers that live in segments (what a same-host peer maps)."""
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        return 0
+    total = 0
+    for b in buffers:
+        raw = b.raw()
+        if locate(raw) is not None:
+            total += raw.nbytes
+    return total
+
+
+def _register_family() -> None:
+    from ..protocol import SAME_HOST, register_serializer
+
+    register_serializer(object, _same_host_dumps, _same_host_loads, destinations=[SAME_HOST],
+                        name="shoal.same-host")
+
+
+_register_family()

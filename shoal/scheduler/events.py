@@ -1,0 +1,155 @@
+"""Events the scheduler state takes and instructions it returns (plain data)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+Key = Hashable
+
+
+# ------------------------------------------------------------------------------ events
+
+
+@dataclass
+class Event:
+    stimulus_id: str
+
+
+@dataclass
+class AddWorkerEvent(Event):
+    address: str
+    nthreads: int
+    host: str = ""
+    pid: int = 0
+    name: str = ""
+
+
+@dataclass
+class RemoveWorkerEvent(Event):
+    address: str
+    #: whether the worker died (its running tasks count as suspicious) or left cleanly
+    crashed: bool = True
+
+
+@dataclass
+class AddClientEvent(Event):
+    client: str
+
+
+@dataclass
+class RemoveClientEvent(Event):
+    client: str
+
+
+@dataclass
+class NewTask:
+    """One task of a graph: dependencies are keys; ``payload`` stays opaque."""
+
+    key: Key
+    payload: Any
+    dependencies: list[Key] = field(default_factory=list)
+    restrictions: list[str] | None = None
+    retries: int = 0
+
+
+@dataclass
+class UpdateGraphEvent(Event):
+    client: str
+    tasks: list[NewTask]
+    #: keys the client holds futures for
+    wanted: list[Key]
+
+
+@dataclass
+class TaskFinishedEvent(Event):
+    worker: str
+    key: Key
+    nbytes: int = 0
+    #: seconds the task ran on the worker
+    duration: float = 0.0
+    #: where the worker placed the value in shared memory (opaque), if it did
+    shm: Any = None
+
+
+@dataclass
+class TaskErredEvent(Event):
+    worker: str
+    key: Key
+    exception: Any = None
+    traceback: Any = None
+    exception_text: str = ""
+
+
+@dataclass
+class ReleaseKeysEvent(Event):
+    """A client no longer holds futures for these keys."""
+
+    client: str
+    keys: list[Key]
+
+
+@dataclass
+class CancelKeysEvent(Event):
+    """A client cancels these keys: released, and its futures learn they were cancelled."""
+
+    client: str
+    keys: list[Key]
+
+
+@dataclass
+class UpdateDataEvent(Event):
+    """Values placed directly on workers (``scatter``): ``{key: [worker, ...]}``."""
+
+    client: str
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+
+
+@dataclass
+class MissingDataEvent(Event):
+    """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
+
+    key: Key
+    errant_worker: str
+
+
+@dataclass
+class RescheduleEvent(Event):
+    """A worker gives a task back (e.g. its inputs could not be fetched)."""
+
+    worker: str
+    key: Key
+
+
+# ------------------------------------------------------------------------ instructions
+
+
+@dataclass
+class Instruction:
+    stimulus_id: str
+
+
+@dataclass
+class ComputeTask(Instruction):
+    worker: str
+    key: Key
+    payload: Any
+    who_has: dict[Key, list[str]]
+    nbytes: dict[Key, int]
+    priority: tuple[int, ...]
+    #: inputs in shared memory: key -> where (as their owners reported it)
+    shm: dict[Key, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FreeKeys(Instruction):
+    worker: str
+    keys: list[Key]
+
+
+@dataclass
+class ClientMsg(Instruction):
+    client: str
+    msg: dict[str, Any]
