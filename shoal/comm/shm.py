@@ -280,6 +280,21 @@ def sweep(pid: int) -> int:
     return len(names)
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _free_bytes() -> int:
     try:
         st = os.statvfs(SHM_DIR)
@@ -346,6 +361,8 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
     for b in buffers:
         raw = b.raw()
         where = locate(raw) if enabled() else None
+        if where is not None and not os.path.exists(_path(where[0])):
+            where = None  # its name was removed: a receiver could not map it
         if where is None:
             refs.append(None)
             frames.append(raw)

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from .._loop import LoopThread
+from ..comm import shm
 from ..scheduler.server import Scheduler
 from ..worker.server import Worker
 
@@ -43,6 +44,7 @@ class LocalCluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.status = "created"
         self.local_address = ""
+        self._watcher: asyncio.Future[None] | None = None
         self._loop_thread: LoopThread | None = None
         if not asynchronous:
             self._loop_thread = LoopThread(name="shoal-cluster")
@@ -86,6 +88,7 @@ class LocalCluster:
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
                 ))
             await self._wait_for_processes()
+            self._watcher = asyncio.ensure_future(self._watch_processes())
         else:
             for i in range(self.n_workers):
                 w = Worker(self.scheduler.address, nthreads=self.threads_per_worker, name=f"worker-{i}")
@@ -108,6 +111,17 @@ class LocalCluster:
             waiting.result()
         finally:
             waiting.cancel()
+
+    async def _watch_processes(self) -> None:
+        """Reap worker processes that die while the cluster runs and remove the
+        shared memory they leave behind."""
+        swept: set[int] = set()
+        while True:
+            await asyncio.sleep(0.5)  # a periodic check, not a wait for a condition
+            for p in self.procs:
+                if p.pid not in swept and p.poll() is not None:
+                    swept.add(p.pid)
+                    shm.sweep(p.pid)
 
     def close(self) -> Any:
         """Stop the workers and the scheduler (an awaitable when asynchronous)."""
@@ -136,6 +150,10 @@ class LocalCluster:
             except asyncio.TimeoutError:
                 p.kill()
                 await loop.run_in_executor(None, p.wait)
+            # whatever a worker could not remove itself (it was killed) goes now
+            shm.sweep(p.pid)
+        if self._watcher is not None:
+            self._watcher.cancel()
         self.status = "closed"
 
     def __enter__(self) -> LocalCluster:

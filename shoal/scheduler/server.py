@@ -15,7 +15,8 @@ import itertools
 import logging
 from typing import Any
 
-from ..comm import Comm
+from ..comm import Comm, shm
+from ..comm.core import local_info
 from ..errors import CommError
 from ..rpc import BatchedSend, Server
 from .state import (
@@ -164,6 +165,11 @@ class Scheduler:
                 logger.info("worker %s left%s", address, "" if clean else " (connection lost)")
             self._apply(RemoveWorkerEvent(self._stimulus("remove-worker"), address, crashed=not clean))
             self._notify_workers_changed()
+            if not clean and host == local_info()["host"] and pid and shm.process_gone(pid):
+                # a worker of this host died: nobody else will remove its segments
+                removed = shm.sweep(pid)
+                if removed:
+                    logger.info("removed %d shared-memory segment(s) of dead worker %s", removed, address)
 
     def _notify_workers_changed(self) -> None:
         if self._workers_changed is not None:

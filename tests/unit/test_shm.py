@@ -1,0 +1,111 @@
+"""The shared-memory data plane's pieces: placing, mapping, probing, sweeping."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from shoal.comm import shm
+from shoal.protocol import SAME_HOST, dumps, loads, to_serialize
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    assert not shm.segments_of(os.getpid()), "a test left segments in /dev/shm"
+
+
+def test_place_and_attach_round_trip_copy_on_write():
+    a = np.arange(100_000, dtype=np.float64)
+    seg, local = shm.place(a)
+    try:
+        assert np.array_equal(local, a) and local.flags.writeable
+        assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+        other = shm.attach(seg.info)
+        assert np.array_equal(other, a) and other.flags.writeable
+    finally:
+        seg.unlink()
+    # the name is gone; mapped values stay valid
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+    assert local.sum() == a.sum()
+    with pytest.raises(FileNotFoundError):
+        shm.attach(["shoal-999999999-gone", 4096, 10, []])
+
+
+def test_small_or_bufferless_values_are_not_placed():
+    assert shm.place(np.arange(10)) is None
+    assert shm.place({"a": 1}) is None
+    assert shm.place(b"x" * 100) is None
+
+
+def test_full_shared_memory_is_a_clear_error_and_leaves_nothing(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(shm.ShmUnavailable, match=r"shared memory is full: .* bytes free\); the value travels over tcp"):
+        shm.place(np.zeros(1 << 20))
+
+
+def test_same_host_family_sends_segment_references_not_bytes():
+    a = np.arange(1 << 17, dtype=np.int64)
+    seg, local = shm.place(a)
+    try:
+        frames = dumps({"x": to_serialize(local)}, SAME_HOST)
+        assert sum(memoryview(f).nbytes for f in frames) < 4096  # no 1 MB buffer in there
+        out = loads(frames)["x"]
+        assert np.array_equal(out, a)
+        assert shm.locate(memoryview(out).cast("B")) is not None
+        # a buffer that is not in a segment still travels as a frame
+        plain = dumps({"x": to_serialize(a)}, SAME_HOST)
+        assert sum(memoryview(f).nbytes for f in plain) > a.nbytes
+        assert np.array_equal(loads(plain)["x"], a)
+    finally:
+        seg.unlink()
+
+
+def test_probe_is_seen_in_this_domain_and_token_checked():
+    made = shm.probe()
+    assert made is not None
+    name, token = made
+    try:
+        assert shm.check_probe(name, token)
+        assert not shm.check_probe(name, "0" * 32)
+        assert not shm.check_probe("shoal-0-nothing", token)
+        assert not shm.check_probe("../etc/passwd", token)
+    finally:
+        shm.unlink(name)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("SHOAL_SHM", "0")
+    assert not shm.enabled()
+    assert shm.probe() is None
+
+
+def test_sweep_removes_a_dead_process_segments():
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np; from shoal.comm import shm; "
+        "seg, _ = shm.place(np.zeros(1 << 17)); print(seg.name, flush=True); "
+        "import os; os._exit(0)"  # exits without unlinking, as a killed process would
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    name = out.stdout.strip()
+    pid = int(name.split("-")[1])
+    assert shm.segments_of(pid) == [name]
+    assert shm.process_gone(pid)
+    assert shm.sweep(pid) == 1
+    assert shm.segments_of(pid) == []
+
+
+def test_segment_names_are_checked():
+    with pytest.raises(ValueError):
+        shm.attach(["../../etc/passwd", 10, 1, []])
+    with pytest.raises(ValueError):
+        shm.attach(["shoal-1-x", "ten", 1, []])
