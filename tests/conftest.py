@@ -33,3 +33,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning"
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_leaks():
+    """The suite leaves nothing in /dev/shm: every segment a (now finished) process of
+    this run created is gone at the end."""
+    import os
+
+    from shoal.comm import shm
+
+    def ours() -> set[str]:
+        try:
+            return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX)}
+        except OSError:
+            return set()
+
+    before = ours()
+    yield
+    leaked = [n for n in ours() - before if shm.process_gone(int(n.split("-")[1]))]
+    assert not leaked, f"shared-memory segments left behind: {leaked}"

@@ -17,6 +17,7 @@ names: one creates a probe segment and the other opens it (:func:`probe`,
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import mmap
 import os
@@ -248,6 +249,11 @@ def unlink(name: str) -> None:
         pass
 
 
+@atexit.register
+def _unlink_at_exit() -> None:
+    unlink_all()
+
+
 def owned() -> set[str]:
     """Names of the segments this process created and has not unlinked."""
     with _lock:
@@ -349,26 +355,73 @@ def check_probe(name: Any, token: Any) -> bool:
 # ------------------------------------------- the same-host family: buffers by reference
 
 
+#: private buffers at least this large cross to a same-host peer through a new segment
+TRANSFER_MIN_BYTES = 1 << 20
+
+
 def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[Any]]:
-    """Pickle 5; buffers that already live in a segment travel as (name, offset,
-    length), the rest as frames."""
+    """Pickle 5. A buffer that already lives in a segment travels as (name, size,
+    offset, length). A large private buffer is copied into a segment of its own that the
+    receiver maps and then unlinks (flag 1); a lease removes it should the receiver never
+    get it. Small buffers travel as frames."""
+    from ..protocol import leases
     from ..protocol.serialize import pickle_dumps
 
     buffers: list[pickle.PickleBuffer] = []
     data = pickle_dumps(obj, buffer_callback=buffers.append)
     refs: list[Any] = []
     frames: list[Any] = [data]
+    use = enabled()
     for b in buffers:
         raw = b.raw()
-        where = locate(raw) if enabled() else None
+        where = locate(raw) if use else None
         if where is not None and not os.path.exists(_path(where[0])):
             where = None  # its name was removed: a receiver could not map it
-        if where is None:
+        if where is not None:
+            refs.append([*where, 0])
+        elif use and raw.nbytes >= TRANSFER_MIN_BYTES and leases.active():
+            try:
+                name, size = _segment_for_buffer(raw)
+            except ShmUnavailable:
+                refs.append(None)
+                frames.append(raw)
+                continue
+            leases.lease(lambda name=name: unlink(name))
+            refs.append([name, size, 0, raw.nbytes, 1])
+        else:
             refs.append(None)
             frames.append(raw)
-        else:
-            refs.append(list(where))
     return ({"refs": refs} if any(r is not None for r in refs) else {}), frames
+
+
+def _segment_for_buffer(raw: memoryview) -> tuple[str, int]:
+    """A new segment holding a copy of ``raw``; returns (name, size)."""
+    size = max(_align(raw.nbytes), _ALIGN)
+    name = _new_name("x")
+    path = _path(name)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise ShmUnavailable(f"cannot create {path}: {exc}") from exc
+    with _lock:
+        _owned.add(name)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            raise ShmUnavailable(f"shared memory is full ({_free_bytes():,} bytes free)") from exc
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
+            view = memoryview(m)
+            try:
+                _copy_into(view[: raw.nbytes], raw)
+            finally:
+                view.release()
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    os.close(fd)
+    return name, size
 
 
 def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
@@ -381,9 +434,15 @@ def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
         if ref is None:
             buffers.append(next(it))
         else:
-            name, size, offset, length = ref
+            name, size, offset, length = ref[:4]
             view = map_segment(name, int(size))
             buffers.append(view[int(offset) : int(offset) + int(length)])
+            if len(ref) > 4 and ref[4] == 1:
+                # a transfer: the mapping is ours now; the name is not needed any more
+                try:
+                    os.unlink(_path(name))
+                except FileNotFoundError:
+                    pass
     return pickle.loads(frames[0], buffers=buffers)
 
 

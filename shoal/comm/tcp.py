@@ -22,6 +22,7 @@ deserialized in a small thread pool, so the event loop keeps serving other peers
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import mmap
 import os
@@ -33,6 +34,7 @@ from typing import Any
 
 from .. import config
 from ..errors import (
+    CommError,
     CommBrokenError,
     CommClosedError,
     CommConnectError,
@@ -57,6 +59,9 @@ from .core import (
 __all__ = ["TCPComm", "TCPListener", "TCPBackend", "offload_executor", "alloc_buffer"]
 
 logger = logging.getLogger("shoal.comm.tcp")
+
+#: the control message a receiver sends back for the leases of values it deserialized
+_LEASE_ACK = "shoal-lease-ack"
 
 _SCRATCH = 1 << 16
 _DIRECT = 1 << 16  # blocks at least this large are received into their own buffer
@@ -374,31 +379,63 @@ class TCPComm(Comm):
         self._writers = 0  # writes that are sending or waiting for the lock
         self._writable: asyncio.Future[None] | None = None
         self._closed = False
+        #: leases of values we sent, held until the peer acknowledges them
+        self._leases: dict[int, Any] = {}
         self._lost = False
 
     # -- reading
 
     async def read(self) -> Any:
-        if self._closed:
-            if isinstance(self._protocol.error, ProtocolError):
-                raise self._protocol.error  # we closed it because the peer broke the protocol
-            raise CommClosedError(f"{self!r} was closed")
-        frames = await self._protocol.next_frames()
-        try:
-            if sum(map(len, frames)) > config.get("offload-threshold"):
-                return await self._loop.run_in_executor(
-                    offload_executor(), loads, frames, self.deserialize
-                )
-            return loads(frames, self.deserialize)
-        except ProtocolError as exc:
-            logger.error("closing connection from %s: %s", self.peer_address, exc)
-            self.abort()
-            raise
-        except Exception as exc:
-            raise DeserializationError(
-                f"cannot deserialize a message from {self.peer_address}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        while True:
+            if self._closed:
+                if isinstance(self._protocol.error, ProtocolError):
+                    raise self._protocol.error  # we closed it because the peer broke the protocol
+                raise CommClosedError(f"{self!r} was closed")
+            frames = await self._protocol.next_frames()
+            acks: list[int] = []
+            try:
+                if sum(map(len, frames)) > config.get("offload-threshold"):
+                    msg = await self._loop.run_in_executor(
+                        offload_executor(), loads, frames, self.deserialize, acks
+                    )
+                else:
+                    msg = loads(frames, self.deserialize, acks)
+            except ProtocolError as exc:
+                logger.error("closing connection from %s: %s", self.peer_address, exc)
+                self.abort()
+                raise
+            except Exception as exc:
+                raise DeserializationError(
+                    f"cannot deserialize a message from {self.peer_address}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if acks:
+                # we have the values: the sender may free what it kept for us
+                try:
+                    await self.write({"op": _LEASE_ACK, "ids": acks})
+                except CommError:
+                    pass  # the sender ends its leases when the connection goes
+            if type(msg) is dict and msg.get("op") == _LEASE_ACK:
+                self._end_leases(msg.get("ids"), "acknowledged")
+                continue
+            return msg
+
+    # -- leases
+
+    def _hold_leases(self, leases: list[Any]) -> None:
+        for lz in leases:
+            self._leases[lz.id] = lz
+            if lz.timeout:
+                self._loop.call_later(lz.timeout, self._end_leases, [lz.id], "timeout")
+
+    def _end_leases(self, ids: Any, reason: str) -> None:
+        for i in ids if isinstance(ids, list) else []:
+            lz = self._leases.pop(i, None) if isinstance(i, int) else None
+            if lz is not None:
+                lz.end(reason)
+
+    def _end_all_leases(self, reason: str) -> None:
+        self._end_leases(list(self._leases), reason)
 
     # -- writing
 
@@ -406,21 +443,24 @@ class TCPComm(Comm):
         self._check_writable()
         prepared = prepare(msg)
         if prepared.values and prepared.nbytes > config.get("offload-threshold"):
-            frames = await self._loop.run_in_executor(
-                offload_executor(), prepared.frames, self.destination
-            )
-        else:
-            frames = prepared.frames(self.destination)
-        if len(frames) == 1:
-            frame = frames[0]
-            size = _nbytes(frame)
-            head = _ONE_FRAME.pack(1, size)
-            # a small message goes out as one buffer (one cheap copy, a plain send)
-            buffers: list[Any] = [head + frame] if size <= _COALESCE else [head, frame]
-        else:
-            lengths = [_nbytes(f) for f in frames]
-            size = sum(lengths)
-            buffers = [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames]
+            # serialized in the thread pool; the lock keeps later messages behind it
+            self._writers += 1
+            try:
+                async with self._write_lock:
+                    frames = await self._loop.run_in_executor(
+                        offload_executor(), prepared.frames, self.destination
+                    )
+                    buffers, size = _buffers(frames)
+                    self._hold_leases(prepared.leases)
+                    self._check_writable()
+                    await self._send(deque(buffers), False)
+            finally:
+                self._writers -= 1
+            return size
+        frames = prepared.frames(self.destination)
+        buffers, size = _buffers(frames)
+        if prepared.leases:
+            self._hold_leases(prepared.leases)
         sent = 0
         if not self._writers and len(buffers) <= _IOV_MAX:
             # nobody else is sending or waiting to: hand the message to the kernel now,
@@ -469,7 +509,7 @@ class TCPComm(Comm):
         try:
             while views:
                 try:
-                    sent = sock.sendmsg(list(_first(views, _IOV_MAX)))
+                    sent = sock.sendmsg(list(itertools.islice(views, _IOV_MAX)))
                 except (BlockingIOError, InterruptedError):
                     await self._wait_writable()
                     continue
@@ -502,6 +542,7 @@ class TCPComm(Comm):
 
     def _on_lost(self) -> None:
         self._lost = True
+        self._end_all_leases("connection lost")
         fut = self._writable
         if fut is not None and not fut.done():
             fut.set_exception(CommBrokenError(f"connection to {self.peer_address} was lost"))
@@ -538,6 +579,7 @@ class TCPComm(Comm):
             except (asyncio.TimeoutError, Exception):
                 pass
         self._closed = True
+        self._end_all_leases("closed")
         self._close_wsock()
         self._transport.close()
 
@@ -545,6 +587,7 @@ class TCPComm(Comm):
         if self._closed:
             return
         self._closed = True
+        self._end_all_leases("closed")
         self._close_wsock()
         self._transport.abort()
 
@@ -567,11 +610,16 @@ def _advance(views: deque[Any], sent: int) -> None:
         views.popleft()
 
 
-def _first(views: deque[Any], n: int) -> Any:
-    for i, v in enumerate(views):
-        if i == n:
-            return
-        yield v
+def _buffers(frames: list[Any]) -> tuple[list[Any], int]:
+    """The buffers that put ``frames`` on the wire (length prefix first), and the size."""
+    if len(frames) == 1:
+        frame = frames[0]
+        size = _nbytes(frame)
+        head = _ONE_FRAME.pack(1, size)
+        # a small message goes out as one buffer (one cheap copy, a plain send)
+        return ([head + frame] if size <= _COALESCE else [head, frame]), size
+    lengths = [_nbytes(f) for f in frames]
+    return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames], sum(lengths)
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:

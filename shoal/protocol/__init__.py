@@ -1,6 +1,7 @@
 """Wire protocol: messages, frames, serializer families, function cache. No asyncio."""
 
 from .core import dumps, loads, prepare, unwrap
+from .leases import Lease, lease
 from .functions import clear_function_cache, dumps_function, function_cache_info, loads_function
 from .serialize import (
     DESTINATIONS,
@@ -20,6 +21,8 @@ PROTOCOL_VERSION = 2
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "Lease",
+    "lease",
     "dumps",
     "loads",
     "prepare",

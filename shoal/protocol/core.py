@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 
 from ..errors import ProtocolError, SerializationError
+from .leases import Lease, collecting
 from .serialize import (
     DESTINATIONS,
     REMOTE,
@@ -76,9 +77,11 @@ def _pack(obj: Any) -> bytes:
 class Prepared:
     """A message walked for out-of-band values; :meth:`frames` serializes them."""
 
-    __slots__ = ("msg", "values", "paths_src")
+    __slots__ = ("msg", "values", "paths_src", "leases")
 
     def __init__(self, msg: Any, values: list[tuple[Any, bool]], paths_src: Any):
+        #: leases the families took while serializing (see :mod:`.leases`)
+        self.leases: list[Lease] = []
         self.msg = msg
         self.values = values  # (value, opaque)
         self.paths_src = paths_src
@@ -88,7 +91,7 @@ class Prepared:
         """Estimated size of the out-of-band values."""
         return sum(sizeof(v) for v, _ in self.values)
 
-    def frames(self, destination: str = REMOTE) -> list[Any]:
+    def frames(self, destination: str = REMOTE, leases: bool = True) -> list[Any]:
         """Serialize: ``[header, table, *family frames]``. Raises ``ValueError`` for an
         unknown destination and :class:`SerializationError` for a value that cannot be
         serialized, before returning anything."""
@@ -102,26 +105,42 @@ class Prepared:
             return [header]
         table: list[list[Any]] = []
         frames: list[Any] = [header, b""]
-        for i, (value, opaque) in enumerate(self.values):
-            if isinstance(value, Serialized):
-                family, fheader, fframes = value.family, value.header, value.frames
-            else:
-                obj = value.data if isinstance(value, Serialize) else value
-                fam = _family_for(obj, destination)
-                try:
-                    fheader, fframes = fam.dumps(obj, destination)
-                except SerializationError:
-                    raise
-                except Exception as exc:
-                    raise _describe_failure(obj, exc, _path_of(self.paths_src, i)) from exc
-                family = fam.name
-            table.append([family, fheader, len(fframes), opaque])
-            frames.extend(fframes)
         try:
-            frames[1] = _pack(table)
-        except TypeError as exc:
-            raise SerializationError(f"a serializer family returned a header msgpack cannot carry: {exc}") from exc
+            for i, (value, opaque) in enumerate(self.values):
+                if isinstance(value, Serialized):
+                    family, fheader, fframes = value.family, value.header, value.frames
+                    taken: list[Lease] | None = []
+                else:
+                    obj = value.data if isinstance(value, Serialize) else value
+                    fam = _family_for(obj, destination)
+                    with collecting([] if leases else None) as taken:
+                        try:
+                            fheader, fframes = fam.dumps(obj, destination)
+                        except SerializationError:
+                            raise
+                        except Exception as exc:
+                            raise _describe_failure(obj, exc, _path_of(self.paths_src, i)) from exc
+                        finally:
+                            self.leases.extend(taken or ())
+                    family = fam.name
+                entry = [family, fheader, len(fframes), opaque]
+                if taken:
+                    entry.append([lz.id for lz in taken])
+                table.append(entry)
+                frames.extend(fframes)
+            try:
+                frames[1] = _pack(table)
+            except TypeError as exc:
+                raise SerializationError(f"a serializer family returned a header msgpack cannot carry: {exc}") from exc
+        except BaseException:
+            self.end_leases("failed")  # nothing was sent: nobody will acknowledge
+            raise
         return frames
+
+    def end_leases(self, reason: str) -> None:
+        """End every lease this message took (it was not, or will not be, delivered)."""
+        for lz in self.leases:
+            lz.end(reason)
 
 
 def prepare(msg: Any) -> Prepared:
@@ -136,7 +155,7 @@ def dumps(msg: Any, destination: str = REMOTE) -> list[Any]:
     Raises :class:`SerializationError` (naming the value's type and its place in the
     message) before anything is produced if some value cannot be serialized.
     """
-    return prepare(msg).frames(destination)
+    return prepare(msg).frames(destination, leases=False)
 
 
 def _oob(value: Any, opaque: bool, values: list[tuple[Any, bool]]) -> msgpack.ExtType:
@@ -227,12 +246,14 @@ def _sub(path: str, key: Any) -> str:
     return f"{path}[{key!r}]"
 
 
-def loads(frames: Sequence[Any], deserialize: bool = True) -> Any:
+def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | None = None) -> Any:
     """Rebuild a message from frames.
 
     With ``deserialize=False``, opaque values come back as :class:`Serialized` (to be
-    forwarded untouched). Raises :class:`ProtocolError` for frames that do not form a
-    message; exceptions of a family's ``loads`` propagate unchanged.
+    forwarded untouched). The ids of the leases of the values deserialized here are
+    appended to ``leases`` (the transport acknowledges them to the sender). Raises
+    :class:`ProtocolError` for frames that do not form a message; exceptions of a
+    family's ``loads`` propagate unchanged.
     """
     if not frames:
         raise ProtocolError("a message needs at least one frame")
@@ -249,18 +270,24 @@ def loads(frames: Sequence[Any], deserialize: bool = True) -> Any:
         for entry in table:
             if (
                 not isinstance(entry, list)
-                or len(entry) != 4
+                or len(entry) not in (4, 5)
                 or not isinstance(entry[0], str)
                 or not isinstance(entry[2], int)
                 or entry[2] < 0
+                or (len(entry) == 5 and not (isinstance(entry[4], list) and all(type(i) is int for i in entry[4])))
             ):
                 raise ProtocolError(f"malformed out-of-band table entry: {entry!r:.200}")
-            family, fheader, n, opaque = entry
+            family, fheader, n, opaque = entry[:4]
             if pos + n > len(frames):
                 raise ProtocolError("out-of-band table names more frames than were sent")
             s = Serialized(family, fheader if isinstance(fheader, dict) else {}, frames[pos : pos + n])
             pos += n
-            entries.append(_deserialize(s) if (deserialize or not opaque) else s)
+            if deserialize or not opaque:
+                entries.append(_deserialize(s))
+                if len(entry) == 5 and leases is not None:
+                    leases.extend(entry[4])
+            else:
+                entries.append(s)
         if pos != len(frames):
             raise ProtocolError(f"{len(frames) - pos} frame(s) not named by the out-of-band table")
 

@@ -320,7 +320,7 @@ class Worker:
     def update_data(self, comm: Comm, data: dict[Any, Any]) -> dict[str, Any]:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
         nbytes = {k: sizeof(v) for k, v in values.items()}
-        self._count(comm, sum(nbytes.values()))
+        self._count(comm, sum(nbytes.values()), values.values())
         self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes))
         return {"nbytes": nbytes}
 

@@ -148,6 +148,7 @@ async def test_cancelling_a_write_midway_aborts_the_comm():
 
     listener = await listen("tcp://127.0.0.1:0", handler)
     comm = await connect(listener.contact_address)
+    comm.destination = "remote"  # bytes through the socket (same-host would use shared memory)
     try:
         task = asyncio.ensure_future(comm.write({"x": to_serialize(np.zeros(64 << 20, dtype=np.uint8))}))
         await asyncio.sleep(0.3)

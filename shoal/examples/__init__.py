@@ -1,0 +1,1 @@
+"""Examples of extending shoal (serializer families with side channels, ...)."""
