@@ -80,6 +80,9 @@ class LocalCluster:
             # workers import what this process can import (as multiprocessing's spawn does)
             paths = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+            # one BLAS/OpenMP thread per task thread: workers x threads already fill the cores
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+                env.setdefault(var, "1")
             for i in range(self.n_workers):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "shoal", "worker", self.scheduler.address,
