@@ -27,9 +27,33 @@ from .protocol import (
     to_serialize,
 )
 
-from .client import Client, Future, as_completed, wait
-from .deploy import LocalCluster
+from typing import TYPE_CHECKING, Any
+
 from .errors import CancelledError, GraphError, KilledWorker, LostDataError
+
+if TYPE_CHECKING:
+    from .client import Client, Future, as_completed, wait
+    from .deploy import LocalCluster
+
+# the client and cluster layers load on first use: a worker process never needs them
+_LAZY = {
+    "Client": "shoal.client",
+    "Future": "shoal.client",
+    "as_completed": "shoal.client",
+    "wait": "shoal.client",
+    "LocalCluster": "shoal.deploy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __version__ = "0.1.0"
 
