@@ -27,7 +27,7 @@ from typing import Any
 from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm
-from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
+from ..errors import CommError, DeserializationError, GraphError, KilledWorker, LostDataError, RemoteError
 from ..protocol import SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC
 from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
@@ -302,7 +302,11 @@ class Client:
     async def _read_scheduler(self, comm: Comm) -> None:
         try:
             while True:
-                batch = await comm.read()
+                try:
+                    batch = await comm.read()
+                except DeserializationError as exc:
+                    logger.error("dropped a message from the scheduler that cannot be read: %s", exc)
+                    continue
                 for msg in batch if isinstance(batch, list) else [batch]:
                     try:
                         self._handle_report(msg)
@@ -472,7 +476,7 @@ class Client:
                     if st.shm is not None:
                         try:
                             values[st.key] = shm.attach(st.shm)
-                        except (OSError, ValueError):
+                        except Exception:  # gone, reused, corrupt: ask its worker instead
                             st.shm = None
                 need = [st for st in need if st.key not in values]
             by_worker: dict[str, list[Any]] = {}

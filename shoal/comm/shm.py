@@ -18,6 +18,7 @@ names: one creates a probe segment and the other opens it (:func:`probe`,
 from __future__ import annotations
 
 import atexit
+import fcntl
 import itertools
 import mmap
 import os
@@ -45,11 +46,17 @@ __all__ = [
     "segments_of",
     "map_segment",
     "locate",
+    "retire",
+    "drain_pool",
 ]
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shoal-"
 _ALIGN = 64
+#: every segment starts with a header: magic and a random token naming this generation
+#: of its contents (a segment may be reused, under a new name and a new token)
+_MAGIC = b"SHOALSEG"
+_HEADER = 64
 _counter = itertools.count()
 _lock = threading.Lock()
 _owned: set[str] = set()
@@ -74,7 +81,8 @@ def _new_name(kind: str = "") -> str:
     return f"{PREFIX}{os.getpid()}-{kind}{next(_counter)}-{secrets.token_hex(4)}"
 
 
-# A segment's info travels in messages: [name, total size, pickle length, [[offset, length], ...]]
+# A segment's info travels in messages:
+#   [name, total size, pickle length, [[offset, length], ...], token]
 SegmentInfo = list
 
 
@@ -91,15 +99,21 @@ class Segment:
     def unlink(self) -> None:
         unlink(self.name)
 
+    def retire(self) -> None:
+        """The owner is done with it: keep it for reuse (or unlink it)."""
+        retire(self.name, self.size)
+
     def __repr__(self) -> str:
         return f"<Segment {self.name} {self.size} bytes>"
 
 
 def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | None:
-    """Put ``obj`` in a new segment if its out-of-band buffers hold at least
+    """Put ``obj`` in a segment if its out-of-band buffers hold at least
     ``min_buffer_bytes``; return ``(segment, copy of obj backed by the segment)``, or
-    ``None`` when ``obj`` is not worth it. Raises :class:`ShmUnavailable` when shared
-    memory cannot take it (e.g. ``/dev/shm`` is full); nothing is left behind then.
+    ``None`` when ``obj`` is not worth it. A retired segment of a fitting size is reused
+    when nobody maps it any more (its pages are already there: no page faults); else a
+    new one is made. Raises :class:`ShmUnavailable` when shared memory cannot take it
+    (e.g. ``/dev/shm`` is full); nothing is left behind then.
     """
     buffers: list[pickle.PickleBuffer] = []
     try:
@@ -111,11 +125,43 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     if big < min_buffer_bytes:
         return None
     layout: list[list[int]] = []
-    pos = _align(len(data))
+    pos = _align(_HEADER + len(data))
     for r in raws:
         layout.append([pos, r.nbytes])
         pos = _align(pos + r.nbytes)
-    size = max(pos, 1)
+    name, fd, size = _writable_segment(pos)
+    token = secrets.token_hex(8)
+    try:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
+            view = memoryview(m)
+            try:
+                view[:_HEADER] = _header(token)
+                view[_HEADER : _HEADER + len(data)] = data
+                for (off, n), r in zip(layout, raws):
+                    _copy_into(view[off : off + n], r)
+            finally:
+                view.release()
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    os.close(fd)  # releases the exclusive lock: readers may map it now
+    info: SegmentInfo = [name, size, len(data), layout, token]
+    seg = Segment(name, size, info)
+    return seg, attach(info)
+
+
+def _header(token: str) -> bytes:
+    return (_MAGIC + token.encode()).ljust(_HEADER, b"\0")
+
+
+def _writable_segment(need: int) -> tuple[str, int, int]:
+    """``(name, fd, size)`` of a segment of at least ``need`` bytes that nobody maps,
+    opened for writing and locked exclusively: a reused one, or a new one."""
+    reused = _reuse(need)
+    if reused is not None:
+        return reused
+    size = max(need, _HEADER)
     name = _new_name()
     path = _path(name)
     try:
@@ -125,30 +171,94 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     with _lock:
         _owned.add(name)
     try:
-        try:
-            # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            raise ShmUnavailable(
-                f"shared memory is full: {size:,} bytes do not fit in {SHM_DIR} "
-                f"({_free_bytes():,} bytes free); the value travels over tcp instead"
-            ) from exc
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
-            view = memoryview(m)
-            try:
-                view[: len(data)] = data
-                for (off, n), r in zip(layout, raws):
-                    _copy_into(view[off : off + n], r)
-            finally:
-                view.release()
-    except BaseException:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
         os.close(fd)
         unlink(name)
-        raise
-    os.close(fd)
-    info: SegmentInfo = [name, size, len(data), layout]
-    seg = Segment(name, size, info)
-    return seg, attach(info)
+        raise ShmUnavailable(
+            f"shared memory is full: {size:,} bytes do not fit in {SHM_DIR} "
+            f"({_free_bytes():,} bytes free); the value travels over tcp instead"
+        ) from exc
+    return name, fd, size
+
+
+# ------------------------------------------------------- reuse of retired segments
+#
+# A segment whose key was released is *retired*: kept for reuse instead of unlinked, up
+# to ``pool_limit`` bytes. Every process that maps a segment holds a shared flock on it
+# for as long as the mapping lives; the owner reuses a retired segment only when it can
+# lock it exclusively (nobody maps it), renames it (a reader holding the old name fails
+# to open it) and writes a new token (a reader that opened it just before checks the
+# token once it has its lock, and gives up on a mismatch).
+
+_pool: list[tuple[int, str]] = []  # (size, name) of retired segments
+pool_limit = 256 << 20
+
+
+def retire(name: str, size: int) -> None:
+    """The owner no longer needs segment ``name``: its name goes at once (nobody can
+    map the released value any more), and its memory is kept for reuse under a pool
+    name, or freed when the pool is full."""
+    with _lock:
+        keep = sum(s for s, _ in _pool) + size <= pool_limit and name in _owned
+    if keep:
+        pooled = _new_name("pool")
+        try:
+            os.rename(_path(name), _path(pooled))
+        except OSError:
+            keep = False
+        else:
+            with _lock:
+                _owned.discard(name)
+                _owned.add(pooled)
+                _pool.append((size, pooled))
+            return
+    unlink(name)
+
+
+def _reuse(need: int) -> tuple[str, int, int] | None:
+    with _lock:
+        candidates = sorted(e for e in _pool if need <= e[0] <= max(2 * need, need + (1 << 20)))
+        for entry in candidates:
+            _pool.remove(entry)
+    for i, (size, old) in enumerate(candidates):
+        try:
+            fd = os.open(_path(old), os.O_RDWR)
+        except OSError:
+            with _lock:
+                _owned.discard(old)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # someone still maps it: try it again later
+            with _lock:
+                _pool.append((size, old))
+            continue
+        new = _new_name()
+        try:
+            os.rename(_path(old), _path(new))
+        except OSError:
+            os.close(fd)
+            unlink(old)
+            continue
+        with _lock:
+            _owned.discard(old)
+            _owned.add(new)
+            _pool.extend(candidates[i + 1 :])
+        return new, fd, size
+    return None
+
+
+def drain_pool() -> None:
+    """Unlink every retired segment (a worker closing)."""
+    with _lock:
+        names = [n for _, n in _pool]
+        _pool.clear()
+    for name in names:
+        unlink(name)
 
 
 def _copy_into(dst: memoryview, src: memoryview) -> None:
@@ -164,52 +274,62 @@ def _copy_into(dst: memoryview, src: memoryview) -> None:
 def attach(info: Sequence[Any]) -> Any:
     """Map a segment copy-on-write and rebuild its value (zero-copy, writeable).
 
-    Raises ``FileNotFoundError`` if the segment is gone (unlinked, owner died) and
-    ``ValueError`` for a malformed description.
+    Raises ``FileNotFoundError`` if the segment is gone (unlinked, owner died, reused)
+    and ``ValueError`` for a malformed description.
     """
     try:
-        name, size, nbytes, layout = info
+        name, size, nbytes, layout, token = info
         size, nbytes = int(size), int(nbytes)
         spans = [(int(o), int(n)) for o, n in layout]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed segment description {info!r:.200}") from exc
-    view = map_segment(name, size)
-    return pickle.loads(view[:nbytes], buffers=[view[o : o + n] for o, n in spans])
+    view = map_segment(name, size, str(token))
+    return pickle.loads(view[_HEADER : _HEADER + nbytes], buffers=[view[o : o + n] for o, n in spans])
 
 
-# mapped segments of this process: name -> weak mapping, and address ranges -> name
-_maps: dict[str, weakref.ref[mmap.mmap]] = {}
-_ranges: dict[str, tuple[int, int]] = {}
+# mapped segments of this process: name -> (weak mapping, token), and address ranges
+_maps: dict[str, tuple[weakref.ref[mmap.mmap], str]] = {}
+_ranges: dict[str, tuple[int, int, str]] = {}
 
 
-def map_segment(name: str, size: int) -> memoryview:
-    """A copy-on-write view of segment ``name`` (one mapping per segment and process,
-    alive while any value uses it). Raises ``FileNotFoundError`` if it is gone."""
+def map_segment(name: str, size: int, token: str) -> memoryview:
+    """A copy-on-write view of segment ``name`` holding generation ``token`` (one
+    mapping per segment and process, alive while any value uses it). Raises
+    ``FileNotFoundError`` if it is gone or now holds something else."""
     with _lock:
-        ref = _maps.get(name)
-        m = ref() if ref is not None else None
+        entry = _maps.get(name)
+        m = entry[0]() if entry is not None and entry[1] == token else None
     if m is not None and len(m) >= size:
         return memoryview(m)
     fd = os.open(_path(name), os.O_RDONLY)
     try:
+        try:
+            # held while the mapping lives: the owner cannot reuse the segment meanwhile
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise FileNotFoundError(f"segment {name} is being rewritten") from None
+        if os.pread(fd, _HEADER, 0) != _header(token):
+            raise FileNotFoundError(f"segment {name} no longer holds the value asked for")
         if os.fstat(fd).st_size < size:
             raise ValueError(f"segment {name} is smaller than described")
         m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     view = memoryview(m)
     start = _address(view)
     with _lock:
-        _maps[name] = weakref.ref(m, lambda _r, name=name: _forget(name))
+        _maps[name] = (weakref.ref(m, lambda _r, name=name, fd=fd: _forget(name, fd)), token)
         if start is not None:
-            _ranges[name] = (start, start + size)
+            _ranges[name] = (start, start + size, token)
     return view
 
 
-def _forget(name: str) -> None:
+def _forget(name: str, fd: int) -> None:
+    os.close(fd)  # the mapping is gone: release our shared lock
     with _lock:
-        ref = _maps.get(name)
-        if ref is not None and ref() is None:
+        entry = _maps.get(name)
+        if entry is not None and entry[0]() is None:
             del _maps[name]
             _ranges.pop(name, None)
 
@@ -223,9 +343,9 @@ def _address(view: memoryview) -> int | None:
         return None
 
 
-def locate(buffer: memoryview) -> tuple[str, int, int, int] | None:
-    """``(segment name, segment size, offset, length)`` if ``buffer`` lies inside a
-    segment this process has mapped, else ``None``."""
+def locate(buffer: memoryview) -> tuple[str, int, int, int, str] | None:
+    """``(segment name, segment size, offset, length, token)`` if ``buffer`` lies
+    inside a segment this process has mapped, else ``None``."""
     if not _ranges:
         return None
     start = _address(buffer)
@@ -233,9 +353,9 @@ def locate(buffer: memoryview) -> tuple[str, int, int, int] | None:
         return None
     n = buffer.nbytes
     with _lock:
-        for name, (lo, hi) in _ranges.items():
+        for name, (lo, hi, token) in _ranges.items():
             if lo <= start and start + n <= hi:
-                return name, hi - lo, start - lo, n
+                return name, hi - lo, start - lo, n, token
     return None
 
 
@@ -378,42 +498,33 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
         if where is not None and not os.path.exists(_path(where[0])):
             where = None  # its name was removed: a receiver could not map it
         if where is not None:
-            refs.append([*where, 0])
+            name, size, offset, length, token = where
+            refs.append([name, size, offset, length, 0, token])
         elif use and raw.nbytes >= TRANSFER_MIN_BYTES and leases.active():
             try:
-                name, size = _segment_for_buffer(raw)
+                name, size, token = _segment_for_buffer(raw)
             except ShmUnavailable:
                 refs.append(None)
                 frames.append(raw)
                 continue
             leases.lease(lambda name=name: unlink(name))
-            refs.append([name, size, 0, raw.nbytes, 1])
+            refs.append([name, size, _HEADER, raw.nbytes, 1, token])
         else:
             refs.append(None)
             frames.append(raw)
     return ({"refs": refs} if any(r is not None for r in refs) else {}), frames
 
 
-def _segment_for_buffer(raw: memoryview) -> tuple[str, int]:
-    """A new segment holding a copy of ``raw``; returns (name, size)."""
-    size = max(_align(raw.nbytes), _ALIGN)
-    name = _new_name("x")
-    path = _path(name)
+def _segment_for_buffer(raw: memoryview) -> tuple[str, int, str]:
+    """A new segment holding a copy of ``raw``; returns (name, size, token)."""
+    name, fd, size = _writable_segment(_align(_HEADER + raw.nbytes))
+    token = secrets.token_hex(8)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError as exc:
-        raise ShmUnavailable(f"cannot create {path}: {exc}") from exc
-    with _lock:
-        _owned.add(name)
-    try:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            raise ShmUnavailable(f"shared memory is full ({_free_bytes():,} bytes free)") from exc
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
             view = memoryview(m)
             try:
-                _copy_into(view[: raw.nbytes], raw)
+                view[:_HEADER] = _header(token)
+                _copy_into(view[_HEADER : _HEADER + raw.nbytes], raw)
             finally:
                 view.release()
     except BaseException:
@@ -421,7 +532,7 @@ def _segment_for_buffer(raw: memoryview) -> tuple[str, int]:
         unlink(name)
         raise
     os.close(fd)
-    return name, size
+    return name, size, token
 
 
 def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
@@ -434,10 +545,10 @@ def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
         if ref is None:
             buffers.append(next(it))
         else:
-            name, size, offset, length = ref[:4]
-            view = map_segment(name, int(size))
+            name, size, offset, length, flag, token = ref
+            view = map_segment(name, int(size), str(token))
             buffers.append(view[int(offset) : int(offset) + int(length)])
-            if len(ref) > 4 and ref[4] == 1:
+            if flag == 1:
                 # a transfer: the mapping is ours now; the name is not needed any more
                 try:
                     os.unlink(_path(name))

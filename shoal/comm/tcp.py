@@ -451,8 +451,10 @@ class TCPComm(Comm):
                         offload_executor(), prepared.frames, self.destination
                     )
                     buffers, size = _buffers(frames)
-                    self._hold_leases(prepared.leases)
+                    if self.closed():
+                        prepared.end_leases("closed")  # closed while serializing
                     self._check_writable()
+                    self._hold_leases(prepared.leases)
                     await self._send(deque(buffers), False)
             finally:
                 self._writers -= 1

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..comm import Comm, shm
 from ..comm.core import local_info
-from ..errors import CommError
+from ..errors import CommError, DeserializationError
 from ..rpc import BatchedSend, Server
 from .state import (
     AddClientEvent,
@@ -145,7 +145,11 @@ class Scheduler:
         clean = False
         try:
             while True:
-                batch = await comm.read()
+                try:
+                    batch = await comm.read()
+                except DeserializationError as exc:
+                    logger.error("dropped a message from %s that cannot be read: %s", comm.peer_address, exc)
+                    continue
                 for msg in batch if isinstance(batch, list) else [batch]:
                     if isinstance(msg, dict) and msg.get("op") == "unregister":
                         clean = True
@@ -218,7 +222,11 @@ class Scheduler:
         self._apply(AddClientEvent(self._stimulus("add-client"), client))
         try:
             while True:
-                batch = await comm.read()
+                try:
+                    batch = await comm.read()
+                except DeserializationError as exc:
+                    logger.error("dropped a message from %s that cannot be read: %s", comm.peer_address, exc)
+                    continue
                 closing = False
                 for msg in batch if isinstance(batch, list) else [batch]:
                     if isinstance(msg, dict) and msg.get("op") == "close-client":
@@ -245,6 +253,12 @@ class Scheduler:
         sid = self._stimulus(str(op))
         if op == "update-graph":
             try:
+                for t in msg["tasks"]:
+                    hash(t["key"])
+                    for d in t.get("deps") or ():
+                        hash(d)
+                for k in msg.get("wanted") or ():
+                    hash(k)
                 tasks = [
                     NewTask(t["key"], t.get("payload"), list(t.get("deps") or ()),
                             t.get("workers"), int(t.get("retries") or 0))
@@ -254,6 +268,10 @@ class Scheduler:
                 logger.error("client %s sent a malformed graph: %r", client, exc)
                 wanted = msg.get("wanted")
                 for key in wanted if isinstance(wanted, list) else []:
+                    try:
+                        hash(key)
+                    except TypeError:
+                        continue
                     self._do(ClientMsg(sid, client, {
                         "op": "task-erred", "key": key, "exception": None, "traceback": None,
                         "text": f"GraphError: the scheduler could not read this graph: {exc!r}",

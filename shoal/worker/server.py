@@ -21,7 +21,7 @@ from typing import Any
 
 from ..comm import Comm, connect
 from ..comm.core import local_info
-from ..errors import CommError
+from ..errors import CommError, DeserializationError
 from .. import config
 from ..comm import shm
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
@@ -132,7 +132,11 @@ class Worker:
     async def _read_scheduler(self, comm: Comm) -> None:
         try:
             while True:
-                batch = await comm.read()
+                try:
+                    batch = await comm.read()
+                except DeserializationError as exc:
+                    logger.error("dropped a message from the scheduler that cannot be read: %s", exc)
+                    continue
                 events = []
                 for msg in batch if isinstance(batch, list) else [batch]:
                     op = msg.get("op") if isinstance(msg, dict) else None
@@ -287,7 +291,7 @@ class Worker:
         for key, info in zip(inst.keys, inst.infos):
             try:
                 value = shm.attach(info)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # gone, reused, corrupt: whatever it is, ask the holders
                 logger.info("cannot map %r from shared memory (%s); asking its holders", key, exc)
                 continue
             data[key] = value

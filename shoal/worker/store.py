@@ -51,7 +51,7 @@ class WorkerStore(MutableMapping[Key, Any]):
     def _drop_segment(self, key: Key) -> None:
         seg = self.segments.pop(key, None)
         if seg is not None:
-            seg.unlink()
+            seg.retire()  # reused for a later value once nobody maps it
 
     def __iter__(self) -> Iterator[Key]:
         return iter(self._data)
@@ -68,6 +68,7 @@ class WorkerStore(MutableMapping[Key, Any]):
             seg.unlink()
         self.segments.clear()
         self._expected.clear()
+        shm.drain_pool()
 
     def segment_info(self, key: Key) -> list[Any] | None:
         seg = self.segments.get(key)

@@ -85,6 +85,7 @@ def test_segment_removed_when_the_key_is_released(client, cluster):
     new = set(shm.segments_of(pid)) - before
     assert len(new) == 1
     del x
+    # its name goes (its memory may stay in the worker's pool of segments for reuse)
     wait_for(lambda: not (set(shm.segments_of(pid)) & new), what="the segment to be unlinked")
 
 
@@ -143,6 +144,9 @@ def test_full_shared_memory_falls_back_to_tcp(client, cluster):
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, "No space left on device")
 
+        from shoal.comm import shm as worker_shm
+
+        worker_shm.drain_pool()  # no retired segment to reuse: every placement needs new pages
         os._shoal_test_fallocate = os.posix_fallocate
         os.posix_fallocate = full
 

@@ -32,7 +32,7 @@ def test_place_and_attach_round_trip_copy_on_write():
     assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
     assert local.sum() == a.sum()
     with pytest.raises(FileNotFoundError):
-        shm.attach(["shoal-999999999-gone", 4096, 10, []])
+        shm.attach(["shoal-999999999-gone", 4096, 10, [], "0" * 16])
 
 
 def test_small_or_bufferless_values_are_not_placed():
@@ -109,3 +109,61 @@ def test_segment_names_are_checked():
         shm.attach(["../../etc/passwd", 10, 1, []])
     with pytest.raises(ValueError):
         shm.attach(["shoal-1-x", "ten", 1, []])
+
+
+def test_retired_segments_are_reused_only_when_nobody_maps_them():
+    import gc
+
+    shm.drain_pool()
+    a = np.arange(1 << 18, dtype=np.float64)
+    seg, mine = shm.place(a)
+    other = shm.attach(seg.info)  # a second mapping, as a reader elsewhere would hold
+    first_info = seg.info
+    seg.retire()
+    # its name goes at once: no process can map the released value by it any more
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, first_info[0]))
+    # still mapped: not reused, a new segment is made
+    seg2, v2 = shm.place(a * 2)
+    assert len(shm._pool) == 1
+    assert np.array_equal(other, a) and np.array_equal(mine, a)  # the readers' data is intact
+    del mine, other
+    gc.collect()
+    # nobody maps it any more: the next value of a fitting size reuses its memory
+    seg3, v3 = shm.place(a * 3)
+    assert not shm._pool
+    assert np.array_equal(v3, a * 3) and np.array_equal(v2, a * 2)
+    seg2.unlink()
+    seg3.unlink()
+    shm.drain_pool()
+
+
+def test_a_reader_with_a_stale_token_is_refused():
+    a = np.arange(1 << 17, dtype=np.float64)
+    seg, _ = shm.place(a)
+    try:
+        name, size, nbytes, layout, token = seg.info
+        with pytest.raises(FileNotFoundError, match="no longer holds"):
+            shm.map_segment(name, size, "f" * 16)
+    finally:
+        seg.unlink()
+
+
+def test_a_segment_being_rewritten_is_refused():
+    import fcntl
+
+    a = np.arange(1 << 17, dtype=np.float64)
+    seg, _ = shm.place(a)
+    try:
+        fd = os.open(os.path.join(shm.SHM_DIR, seg.name), os.O_RDWR)
+        try:
+            del _
+            import gc
+
+            gc.collect()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the owner reusing it would
+            with pytest.raises(FileNotFoundError, match="rewritten"):
+                shm.attach(seg.info)
+        finally:
+            os.close(fd)
+    finally:
+        seg.unlink()
