@@ -45,6 +45,10 @@ class LocalCluster:
         self.status = "created"
         self.local_address = ""
         self._watcher: asyncio.Future[None] | None = None
+        self._env: dict[str, str] = {}
+        self._names: dict[int, str] = {}
+        #: worker processes started again after one died
+        self.restarts = 0
         self._loop_thread: LoopThread | None = None
         if not asynchronous:
             self._loop_thread = LoopThread(name="shoal-cluster")
@@ -83,13 +87,9 @@ class LocalCluster:
             # one BLAS/OpenMP thread per task thread: workers x threads already fill the cores
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
                 env.setdefault(var, "1")
+            self._env = env
             for i in range(self.n_workers):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "shoal", "worker", self.scheduler.address,
-                     "--nthreads", str(self.threads_per_worker), "--name", f"worker-{i}",
-                     "--host", self.host],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
-                ))
+                self.procs.append(self._spawn(f"worker-{i}"))
             await self._wait_for_processes()
             self._watcher = asyncio.ensure_future(self._watch_processes())
         else:
@@ -99,6 +99,16 @@ class LocalCluster:
                 self.workers.append(w)
         self.status = "running"
         return self
+
+    def _spawn(self, name: str) -> subprocess.Popen[bytes]:
+        assert self.scheduler is not None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "worker", self.scheduler.address,
+             "--nthreads", str(self.threads_per_worker), "--name", name, "--host", self.host],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=self._env,
+        )
+        self._names[proc.pid] = name
+        return proc
 
     async def _wait_for_processes(self) -> None:
         assert self.scheduler is not None
@@ -116,15 +126,17 @@ class LocalCluster:
             waiting.cancel()
 
     async def _watch_processes(self) -> None:
-        """Reap worker processes that die while the cluster runs and remove the
-        shared memory they leave behind."""
-        swept: set[int] = set()
-        while True:
-            await asyncio.sleep(0.5)  # a periodic check, not a wait for a condition
-            for p in self.procs:
-                if p.pid not in swept and p.poll() is not None:
-                    swept.add(p.pid)
-                    shm.sweep(p.pid)
+        """Reap worker processes that die while the cluster runs, remove the shared
+        memory they leave behind, and start a replacement (as a nanny would)."""
+        while self.status == "running":
+            await asyncio.sleep(0.2)  # a periodic check, not a wait for a condition
+            for i, p in enumerate(list(self.procs)):
+                if p.poll() is None or self.status != "running":
+                    continue
+                shm.sweep(p.pid)
+                name = self._names.pop(p.pid, f"worker-{i}")
+                self.restarts += 1
+                self.procs[i] = self._spawn(name)
 
     def close(self) -> Any:
         """Stop the workers and the scheduler (an awaitable when asynchronous)."""
@@ -142,6 +154,8 @@ class LocalCluster:
         if self.status == "closed":
             return
         self.status = "closing"
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self.scheduler is not None:
             await self.scheduler.close()
         for w in self.workers:
