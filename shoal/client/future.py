@@ -99,6 +99,8 @@ class Future:
     """
 
     __shoal_future__ = True
+    #: dask treats objects with this flag as references to computed keys
+    __dask_future__ = True
 
     def __init__(self, key: Any, client: Client, state: FutureState | None = None):
         self.key = key
@@ -172,6 +174,9 @@ class Future:
 
     def __repr__(self) -> str:
         return f"<Future {self.key!r} {self.status}>"
+
+    def __dask_tokenize__(self) -> Any:
+        return ("shoal.Future", self.key)
 
     def __reduce__(self) -> Any:
         raise TypeError(

@@ -40,6 +40,11 @@ def _run_node(node: Any, values: dict[Any, Any]) -> Any:
     return node(values)
 
 
+def finalize(func: Any, args: tuple[Any, ...], results: Any) -> Any:
+    """A collection's ``__dask_postcompute__`` step, run as the last task."""
+    return func(results, *args)
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -47,8 +52,10 @@ def _identity(x: Any) -> Any:
 def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     """``(tasks for update-graph, flat list of wanted keys)``.
 
-    Raises ``KeyError`` for a wanted key not in the graph and :class:`GraphError` for a
-    reference to a key the graph does not define.
+    Values that are futures (of a persisted collection) stand for keys already on the
+    cluster: no task is made for them and tasks may depend on them. Raises ``KeyError``
+    for a wanted key not in the graph and :class:`GraphError` for a reference to a key
+    the graph does not define.
     """
     if hasattr(dsk, "__dask_graph__"):
         dsk = dsk.__dask_graph__()
@@ -66,18 +73,18 @@ def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[st
         from dask._task_spec import convert_legacy_graph
     except ImportError:
         return _convert_legacy(dsk), wanted
+    external = {v.key for v in dsk.values() if getattr(v, "__dask_future__", False)}
     nodes = convert_legacy_graph(dsk)
     tasks = []
     for key, node in nodes.items():
+        # a dependency outside the graph may be a key on the cluster already (a
+        # persisted collection's); the scheduler refuses the graph if it is not
         deps = list(node.dependencies)
-        for d in deps:
-            if d not in nodes:
-                raise GraphError(f"task {key!r} depends on {d!r}, which the graph does not define")
         payload = RunSpec(_run_node, (node, {d: Ref(d) for d in deps}))
         tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
     # keys the converter dropped (aliases of themselves) are still wanted
     for k in wanted:
-        if k not in nodes:
+        if k not in nodes and k not in external and k not in dsk:
             raise GraphError(f"key {k!r} does not name a task")
     return tasks, wanted
 
