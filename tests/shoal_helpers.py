@@ -172,7 +172,7 @@ def message_bytes(msg: Any) -> bytes:
     return frame_bytes([msgpack.packb(msg, use_bin_type=True)])
 
 
-def handshake_bytes(protocol: int = 2, **extra: Any) -> bytes:
+def handshake_bytes(protocol: int = 3, **extra: Any) -> bytes:
     return message_bytes({"op": "handshake", "protocol": protocol, "pid": 1, "host": "elsewhere", **extra})
 
 

@@ -18,6 +18,7 @@ names: one creates a probe segment and the other opens it (:func:`probe`,
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import itertools
 import mmap
@@ -177,10 +178,13 @@ def _writable_segment(need: int) -> tuple[str, int, int]:
     except OSError as exc:
         os.close(fd)
         unlink(name)
-        raise ShmUnavailable(
-            f"shared memory is full: {size:,} bytes do not fit in {SHM_DIR} "
-            f"({_free_bytes():,} bytes free); the value travels over tcp instead"
-        ) from exc
+        if exc.errno == errno.ENOSPC:
+            raise ShmUnavailable(
+                f"shared memory is full: {size:,} bytes do not fit in {SHM_DIR} "
+                f"({_free_bytes():,} bytes free); the value travels over tcp instead"
+            ) from exc
+        raise ShmUnavailable(f"cannot set up segment {name} of {size:,} bytes: {exc}; "
+                             "the value travels over tcp instead") from exc
     return name, fd, size
 
 

@@ -105,10 +105,12 @@ def test_sweep_removes_a_dead_process_segments():
 
 
 def test_segment_names_are_checked():
-    with pytest.raises(ValueError):
-        shm.attach(["../../etc/passwd", 10, 1, []])
-    with pytest.raises(ValueError):
-        shm.attach(["shoal-1-x", "ten", 1, []])
+    with pytest.raises(ValueError, match="not a shoal segment name"):
+        shm.attach(["../../etc/passwd", 10, 1, [], "0" * 16])
+    with pytest.raises(ValueError, match="malformed"):
+        shm.attach(["shoal-1-x", "ten", 1, [], "0" * 16])
+    with pytest.raises(ValueError, match="malformed"):
+        shm.attach(["shoal-1-x", 10, 1, []])  # the old four-element form
 
 
 def test_retired_segments_are_reused_only_when_nobody_maps_them():

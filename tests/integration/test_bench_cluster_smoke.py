@@ -1,0 +1,66 @@
+"""The cluster workloads of the benchmark harness (``bench/workloads/cluster.py``) run end
+to end for shoal with ``--quick``. No timing assertions; dask and ray are optional extras
+(the ``bench`` extra) and are neither required nor run here: only their registration is
+checked, which imports neither."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = os.path.join(ROOT, "bench", "run.py")
+WORKLOADS = {
+    "startup": ["startup", "import", "shutdown"],
+    "tiny_tasks": ["throughput"],
+    "tiny_tasks_inprocess": ["throughput"],
+    "latency": ["latency", "latency_p90"],
+    "tree_reduce": ["throughput"],
+    "transfer_64MB": ["consumer", "producer", "memcpy", "consumer_vs_memcpy"],
+    "transfer_512MB": ["consumer", "producer", "memcpy", "consumer_vs_memcpy"],
+    "busy_owner": ["busy_owner", "idle_owner", "busy_task"],
+}
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
+    out_json = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, RUN, "--systems", "shoal", "--workloads", ",".join(WORKLOADS), "--quick",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    for workload, metrics in WORKLOADS.items():
+        for metric in metrics:
+            assert any(r[:2] == [workload, metric] and "shoal" in r for r in rows), (
+                f"no result row for {workload}/{metric} in:\n{proc.stdout}"
+            )
+    data = json.loads(out_json.read_text())
+    results = {r["workload"]: r for r in data["results"]}
+    assert set(results) == set(WORKLOADS)
+    assert all(r["runs"] and not r["errors"] for r in results.values())
+    for name in ("transfer_64MB", "transfer_512MB"):
+        info = results[name]["runs"][0]["info"]
+        assert info["consumer_writeable"] in ("yes", "no")
+
+
+def test_cluster_workloads_register_all_systems():
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); from bench import registry; "
+        "w = registry.load_all(); "
+        "print(json.dumps({n: sorted(w[n].systems) for n in sys.argv[2:]})); "
+        "assert 'ray' not in sys.modules and 'distributed' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, ROOT, *WORKLOADS], capture_output=True, text=True, check=False,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    systems = json.loads(proc.stdout)
+    for name in WORKLOADS:
+        expected = ["dask", "shoal"] if name == "tiny_tasks_inprocess" else ["dask", "ray", "shoal"]
+        assert systems[name] == expected, (name, systems[name])
