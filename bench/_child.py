@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
 
     workload_name, system, params_json = argv
     params = json.loads(params_json)
+    load = os.getloadavg()[0]  # other work on the machine skews every figure: record it
     t0 = time.perf_counter()
     try:
         workload = registry.get(workload_name)
@@ -39,6 +40,7 @@ def main(argv: list[str]) -> int:
         return 1
     metrics = {k: float(v) for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     info = {k: v for k, v in out.items() if k not in metrics}
+    info.setdefault("load1_before", round(load, 2))
     shoal = sys.modules.get("shoal")
     if shoal is not None:
         info.setdefault("shoal_from", os.path.dirname(os.path.dirname(shoal.__file__)))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import statistics
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
-__all__ = ["loop_name", "new_event_loop", "run", "LoopThread", "Helper", "start_helper", "median"]
+__all__ = ["loop_name", "new_event_loop", "run", "LoopThread", "Helper", "start_helper", "median", "pin", "placement"]
 
 
 def loop_name(loop: str = "auto") -> str:
@@ -95,8 +96,37 @@ class Helper:
         self.stop()
 
 
-def start_helper(target: Any, *args: Any, timeout: float = 120.0) -> Helper:
-    """Start ``target(conn, *args)`` in a fresh (spawned) process.
+def pin(cpus: Any) -> None:
+    """Restrict this process (and the threads it starts later) to ``cpus`` (a set of
+    CPU numbers); ``None`` or empty leaves it alone."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
+def placement(mode: str) -> tuple[Any, Any]:
+    """CPU sets ``(measuring process, helper process)`` for a ``cpus`` parameter:
+    ``""`` (the kernel decides), ``"same"`` (both on CPU 0) or ``"split"`` (CPU 0 and
+    CPU 1). Wake-ups between CPUs are much slower on a VM than on one CPU, and the
+    kernel switches between the two placements from run to run; pinning shows each."""
+    if not mode:
+        return None, None
+    if mode == "same":
+        return {0}, {0}
+    if mode == "split":
+        if (os.cpu_count() or 1) < 2:
+            raise ValueError("cpus=split needs two CPUs")
+        return {0}, {1}
+    raise ValueError(f"cpus must be '', 'same' or 'split', not {mode!r}")
+
+
+def _helper_main(conn: Any, cpus: Any, target: Any, args: tuple[Any, ...]) -> None:
+    pin(cpus)
+    target(conn, *args)
+
+
+def start_helper(target: Any, *args: Any, timeout: float = 120.0, cpus: Any = None) -> Helper:
+    """Start ``target(conn, *args)`` in a fresh (spawned) process, pinned to ``cpus``
+    if given.
 
     ``target`` must be a module-level function; it sends one value (e.g. the address it
     listens on) through ``conn`` when ready, and should stop when ``conn`` yields
@@ -105,7 +135,7 @@ def start_helper(target: Any, *args: Any, timeout: float = 120.0) -> Helper:
     """
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=target, args=(child, *args), daemon=True)
+    process = ctx.Process(target=_helper_main, args=(child, cpus, target, args), daemon=True)
     process.start()
     child.close()
     if not parent.poll(timeout):

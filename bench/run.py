@@ -139,6 +139,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
     try:
         with open("/proc/cpuinfo") as f:
@@ -147,6 +148,14 @@ def machine_info() -> dict[str, Any]:
                     info["cpu"] = line.split(":", 1)[1].strip()
                     break
     except OSError:
+        pass
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=_ROOT, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=_ROOT, timeout=10)
+        if head.returncode == 0:
+            info["git"] = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
         pass
     from importlib.metadata import PackageNotFoundError, version
 
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = _parse_set(args.set)
 
     info = machine_info()
-    print(f"# {info['date']}  {info['host']}  {info['cpus']} cpus  {info.get('cpu', '')}  python {info['python']}")
+    print(f"# {info['date']}  {info['host']}  {info['cpus']} cpus  {info.get('cpu', '')}  python {info['python']}"
+          f"  load {info['loadavg'][0]}  git {info.get('git', '?')}")
     print(f"# repeat={repeat} quick={args.quick} systems={','.join(systems)}", flush=True)
 
     results: list[dict[str, Any]] = []
@@ -230,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": summarize(runs, w), "info": infos[-1] if infos else {},
             })
             extra = {k: v for k, v in (infos[-1] if infos else {}).items() if isinstance(v, str)}
+            loads = [i["load1_before"] for i in infos if "load1_before" in i]
+            if loads:
+                extra["load1"] = f"{min(loads)}-{max(loads)}"
             print(f"# {name}/{system}: {len(runs)}/{repeat} ok" + (f"  {extra}" if extra else ""), flush=True)
 
     print()

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from ..common import LoopThread, async_wait_for_stop, loop_name, median, run, start_helper
+from ..common import LoopThread, async_wait_for_stop, loop_name, median, pin, placement, run, start_helper
 from ..registry import Workload
 
 _U64 = struct.Struct("<Q")
@@ -45,7 +45,7 @@ rpc_latency = Workload(
         "tcp_process_rpc_vs_streams": "x ref",
         "tcp_process_comm_vs_streams": "x ref",
     },
-    params={"n": 5000, "warmup": 500, "batches": 5, "loop": "auto"},
+    params={"n": 5000, "warmup": 500, "batches": 5, "loop": "auto", "cpus": ""},
     quick={"n": 200, "warmup": 20, "batches": 2},
     timeout=300,
 )
@@ -181,12 +181,14 @@ async def _ref_calls(value: dict[str, Any], stack: Any) -> dict[str, Any]:
 
 
 @rpc_latency.system("shoal")
-def _(n: int, warmup: int, batches: int, loop: str) -> dict[str, Any]:
+def _(n: int, warmup: int, batches: int, loop: str, cpus: str) -> dict[str, Any]:
     from contextlib import AsyncExitStack
 
     from shoal.rpc import Server
 
-    out: dict[str, Any] = {"loop": loop_name(loop)}
+    mine, helpers = placement(cpus)
+    pin(mine)
+    out: dict[str, Any] = {"loop": loop_name(loop), "cpus": cpus or "unpinned"}
 
     async def same_loop() -> None:
         server = Server({"echo": _echo})
@@ -218,7 +220,7 @@ def _(n: int, warmup: int, batches: int, loop: str) -> dict[str, Any]:
 
     run(same_loop(), loop)
     run(other_thread(), loop)
-    with start_helper(_echo_server_process, loop) as helper:
+    with start_helper(_echo_server_process, loop, cpus=helpers) as helper:
         run(tcp_process(helper.value), loop)
     out["tcp_process_rpc_vs_streams"] = out["tcp_process_rpc"] / out["ref_tcp_streams"]
     out["tcp_process_comm_vs_streams"] = out["tcp_process_comm"] / out["ref_tcp_streams"]
@@ -230,20 +232,26 @@ def _(n: int, warmup: int, batches: int, loop: str) -> dict[str, Any]:
 tcp_bandwidth = Workload(
     "tcp_bandwidth",
     "A float64 numpy array of `mb` MB from a sender process to this one on 127.0.0.1, "
-    "GB/s at the receiver from request sent to array in hand. shoal: sender writes "
-    '{"x": to_serialize(arr)} on a shoal tcp comm. plain_fresh: socket.sendall / '
-    "recv_into a new np.empty buffer. plain_warm: recv_into a preallocated, touched, "
-    "reused buffer (upper bound). Each child process runs `iters` interleaved rounds and "
-    "reports medians; ratio = shoal / plain_fresh per round.",
+    "GB/s at the receiver from request sent to array in hand. shoal: the sender writes "
+    '{"x": to_serialize(arr)} on a shoal tcp comm whose bytes cross the socket (the '
+    "shared-memory data plane is refused at the handshake, SHOAL_SHM=0 in the receiver); "
+    "shoal_same_host: the same on a comm with shoal's default same-host path (values "
+    "through /dev/shm when the handshake finds a shared domain; the destination used is "
+    "reported). plain_fresh: socket.sendall / recv_into a new np.empty buffer. "
+    "plain_warm: recv_into a preallocated, touched, reused buffer (upper bound). Each "
+    "child runs `iters` interleaved rounds (order rotated) and reports medians; ratios "
+    "are taken per round. The receiver first touches and frees `prefault_mb` MB (a VM's "
+    "first touch of memory is slow on the host side).",
     metrics={
         "shoal": "GB/s",
         "plain_fresh": "GB/s",
         "plain_warm": "GB/s",
         "shoal_vs_plain_fresh": "x",
         "shoal_vs_plain_warm": "x",
+        "shoal_same_host": "GB/s",
     },
-    params={"mb": 512, "iters": 3, "loop": "auto"},
-    quick={"mb": 8, "iters": 1},
+    params={"mb": 512, "iters": 3, "loop": "auto", "prefault_mb": 1536, "cpus": "", "same_host": True},
+    quick={"mb": 8, "iters": 1, "prefault_mb": 0},
     timeout=600,
 )
 
@@ -274,10 +282,12 @@ async def _shoal_sender(conn: Any, arr: Any, plain_address: Any) -> None:
     async def handler(comm: Any) -> None:
         while True:
             try:
-                await comm.read()
+                request = await comm.read()
             except Exception:
                 return
-            await comm.write({"x": to_serialize(arr)})
+            # "warm-up": a 2 MB slice, to start both ends' serialization threads
+            value = arr[: 1 << 18] if request.get("op") == "warm-up" else arr
+            await comm.write({"x": to_serialize(value)})
 
     listener = await listen("tcp://127.0.0.1:0", handler)
     conn.send({"shoal": listener.contact_address, "plain": plain_address})
@@ -322,17 +332,29 @@ def _check(arr: Any, nbytes: int) -> None:
 
 
 @tcp_bandwidth.system("shoal")
-def _(mb: int, iters: int, loop: str) -> dict[str, Any]:
+def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bool) -> dict[str, Any]:
+    import os
+
     import numpy as np
+
+    mine, helpers = placement(cpus)
+    pin(mine)
 
     from shoal.comm import connect
 
     nbytes = mb << 20
     gb = nbytes / 1e9
-    results: dict[str, list[float]] = {"shoal": [], "plain_fresh": [], "plain_warm": []}
+    out: dict[str, Any] = {}
+    variants = ["shoal", "plain_fresh", "plain_warm"] + (["shoal_same_host"] if same_host else [])
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    if prefault_mb:
+        # In a VM the first touch of guest memory also faults on the host, several
+        # times slower than the guest's own page faults; touch (and free) some memory
+        # first so that "fresh" buffers measure the guest's cost, as on bare metal.
+        np.ones((prefault_mb << 20) // 8, dtype=np.float64)
     warm = np.ones(nbytes // 8, dtype=np.float64)  # touched once, reused
 
-    with start_helper(_bandwidth_sender_process, nbytes, loop) as helper:
+    with start_helper(_bandwidth_sender_process, nbytes, loop, cpus=helpers) as helper:
         plain = socket.create_connection(tuple(helper.value["plain"]))
         plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -357,24 +379,50 @@ def _(mb: int, iters: int, loop: str) -> dict[str, Any]:
             _check(buf, nbytes)
             return dt
 
-        async def main() -> None:
-            comm = await connect(helper.value["shoal"])
+        async def connect_tcp_only() -> Any:
+            # refuse the shared-memory data plane at the handshake: bytes cross the socket
+            old = os.environ.get("SHOAL_SHM")
+            os.environ["SHOAL_SHM"] = "0"
             try:
-                for _ in range(iters):
-                    results["shoal"].append(gb / await shoal_rounds(comm))
-                    results["plain_fresh"].append(gb / plain_round(None))
-                    results["plain_warm"].append(gb / plain_round(warm))
+                return await connect(helper.value["shoal"])
             finally:
-                await comm.close()
+                if old is None:
+                    del os.environ["SHOAL_SHM"]
+                else:
+                    os.environ["SHOAL_SHM"] = old
+
+        async def main() -> None:
+            comms = {"shoal": await connect_tcp_only()}
+            if same_host:
+                comms["shoal_same_host"] = await connect(helper.value["shoal"])
+                out["same_host_destination"] = comms["shoal_same_host"].destination
+            out["shoal_destination"] = comms["shoal"].destination
+            try:
+                for comm in comms.values():
+                    for _ in range(2):  # untimed: thread pools, first-use imports
+                        await comm.write({"op": "warm-up"})
+                        await comm.read()
+                for i in range(iters):
+                    k = i % len(variants)
+                    for name in variants[k:] + variants[:k]:  # rotate: no variant always first
+                        if name in comms:
+                            dt = await shoal_rounds(comms[name])
+                        else:
+                            dt = plain_round(warm if name == "plain_warm" else None)
+                        results[name].append(gb / dt)
+            finally:
+                for comm in comms.values():
+                    await comm.close()
 
         try:
             run(main(), loop)
         finally:
             plain.close()
 
-    out: dict[str, Any] = {k: median(v) for k, v in results.items()}
+    out.update({k: median(v) for k, v in results.items()})
     out["shoal_vs_plain_fresh"] = median([s / p for s, p in zip(results["shoal"], results["plain_fresh"])])
     out["shoal_vs_plain_warm"] = median([s / p for s, p in zip(results["shoal"], results["plain_warm"])])
     out["loop"] = loop_name(loop)
+    out["cpus"] = cpus or "unpinned"
     out["rounds"] = {k: [round(x, 3) for x in v] for k, v in results.items()}
     return out

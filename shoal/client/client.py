@@ -325,7 +325,7 @@ class Client:
         if st is None:
             return
         if op == "key-in-memory":
-            st.finish(msg.get("workers") or [], msg.get("shm"))
+            st.finish(msg.get("workers") or [], msg.get("shm"), msg.get("value"), "value" in msg)
         elif op == "task-erred":
             st.set_error(_rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
         elif op == "cancelled-key":
@@ -470,6 +470,13 @@ class Client:
                     assert st.exception is not None
                     raise st.exception
             need = [st for st in states if st.status == "finished" and st.key not in values]
+            for st in need:
+                if st.has_value:  # a small result that came with its report
+                    try:
+                        values[st.key] = _unwrap(st.value)
+                    except Exception:
+                        st.has_value = False  # ask its worker instead
+            need = [st for st in need if st.key not in values]
             if self._use_shm:
                 # values in shared memory on this host: map them, no worker involved
                 for st in need:

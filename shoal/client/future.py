@@ -27,7 +27,8 @@ class FutureState:
     Changed only on the client's event loop.
     """
 
-    __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "_event", "_callbacks", "_lock")
+    __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "value", "has_value",
+                 "_event", "_callbacks", "_lock")
 
     def __init__(self, key: Any):
         self.key = key
@@ -37,6 +38,9 @@ class FutureState:
         self.workers: list[str] = []
         #: where the value lies in shared memory, if its worker placed it there
         self.shm: Any = None
+        #: the value itself, when the scheduler passed it along (small results)
+        self.value: Any = None
+        self.has_value = False
         self._event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -56,10 +60,11 @@ class FutureState:
         for cb in callbacks:
             cb()
 
-    def finish(self, workers: list[str], shm: Any = None) -> None:
+    def finish(self, workers: list[str], shm: Any = None, value: Any = None, has_value: bool = False) -> None:
         self.status = "finished"
         self.workers = list(workers)
         self.shm = shm
+        self.value, self.has_value = value, has_value
         self.exception = self.traceback = None
         self._done()
 
@@ -79,6 +84,7 @@ class FutureState:
         self.status = "lost"
         self.workers = []
         self.shm = None
+        self.value, self.has_value = None, False
         if self._event is not None:
             self._event.clear()
 

@@ -198,7 +198,9 @@ def _writable_segment(need: int) -> tuple[str, int, int]:
 # token once it has its lock, and gives up on a mismatch).
 
 _pool: list[tuple[int, str]] = []  # (size, name) of retired segments
-pool_limit = 256 << 20
+#: bytes of retired segments kept for reuse (a worker's first large values pay for
+#: fresh pages; later ones of similar sizes are copied into pages already there)
+pool_limit = 1 << 30
 
 
 def retire(name: str, size: int) -> None:
@@ -421,7 +423,7 @@ def process_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
+    except Exception:  # includes NameError for open() during interpreter shutdown
         return False
 
 

@@ -103,7 +103,8 @@ class LocalCluster:
     def _spawn(self, name: str) -> subprocess.Popen[bytes]:
         assert self.scheduler is not None
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "worker", self.scheduler.address,
+            # -P: the current directory does not shadow the PYTHONPATH given above
+            [sys.executable, "-P", "-m", "shoal", "worker", self.scheduler.address,
              "--nthreads", str(self.threads_per_worker), "--name", name, "--host", self.host],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=self._env,
         )

@@ -71,6 +71,8 @@ class TaskFinishedEvent(Event):
     duration: float = 0.0
     #: where the worker placed the value in shared memory (opaque), if it did
     shm: Any = None
+    #: the (small) value itself, opaque, for the clients that wait for it
+    value: Any = None
 
 
 @dataclass
@@ -141,6 +143,8 @@ class ComputeTask(Instruction):
     priority: tuple[int, ...]
     #: inputs in shared memory: key -> where (as their owners reported it)
     shm: dict[Key, Any] = field(default_factory=dict)
+    #: a client waits for the value: the worker may send it back inline
+    report: bool = False
 
 
 @dataclass

@@ -201,7 +201,8 @@ class Scheduler:
         sid = self._stimulus(str(op))
         if op == "task-finished":
             self._apply(TaskFinishedEvent(sid, address, msg["key"], int(msg.get("nbytes") or 0),
-                                          float(msg.get("duration") or 0.0), msg.get("shm")))
+                                          float(msg.get("duration") or 0.0), msg.get("shm"),
+                                          msg.get("value")))
         elif op == "task-erred":
             self._apply(TaskErredEvent(sid, address, msg["key"], msg.get("exception"),
                                        msg.get("traceback"), str(msg.get("text", ""))))
@@ -312,6 +313,8 @@ class Scheduler:
             }
             if inst.shm:
                 msg["shm"] = inst.shm
+            if inst.report:
+                msg["report"] = True
             self._send_worker(inst.worker, msg)
         elif isinstance(inst, FreeKeys):
             self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys})

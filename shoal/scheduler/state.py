@@ -151,6 +151,8 @@ class TaskState:
     #: where the value lies in shared memory (opaque, from the worker that placed it)
     shm: Any = None
     shm_owner: str = ""
+    #: a small value the worker sent along (opaque), for clients that ask later
+    inline: Any = None
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"
@@ -354,6 +356,7 @@ class SchedulerState:
             return
         ts.nbytes = ev.nbytes
         ts.shm, ts.shm_owner = (ev.shm, ws.address) if ev.shm is not None else (None, "")
+        ts.inline = ev.value
         self._recommend(self._transition(ts, "memory", ws))
 
     def _task_erred(self, ev: TaskErredEvent) -> None:
@@ -545,6 +548,7 @@ class SchedulerState:
             {d.key: d.nbytes for d in sorted(ts.dependencies)},
             ts.priority,
             {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
+            bool(ts.who_wants),
         ))
 
     @staticmethod
@@ -601,6 +605,7 @@ class SchedulerState:
                 ws.nbytes -= max(ts.nbytes, 0)
                 self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
             ts.who_has.clear()
+            ts.inline = None
         elif start == "erred":
             ts.exception = ts.traceback = ts.exception_blame = None
             ts.exception_text = ""
@@ -693,9 +698,12 @@ class SchedulerState:
                "workers": sorted(ws.address for ws in ts.who_has)}
         if self._shm_valid(ts):
             msg["shm"] = ts.shm
+        if ts.inline is not None:
+            msg["value"] = ts.inline
         return msg
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
+        ts.inline = None
         """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""
         ts.state = "released"
         for dts in ts.dependents:

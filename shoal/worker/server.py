@@ -207,6 +207,7 @@ class Worker:
         loop = self.loop
         destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
         place = self.use_shm
+        report = ts.report
 
         def work() -> None:
             segment = None
@@ -227,11 +228,13 @@ class Worker:
                     "".join(traceback.format_exception(exc)), f"{type(exc).__name__}: {exc}",
                 )
             else:
+                nbytes = sizeof(value)
                 segment = self._place(value) if place else None
                 if segment is not None:
                     segment, value = segment
-                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, sizeof(value), duration,
-                                            None if segment is None else segment.info)
+                inline = _inline(value, nbytes, destination) if report else None
+                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, nbytes, duration,
+                                            None if segment is None else segment.info, inline)
             try:
                 loop.call_soon_threadsafe(self._apply_result, event, segment)
             except RuntimeError:
@@ -364,6 +367,23 @@ class Worker:
         """Wait until the worker has closed."""
         assert self._stopped is not None
         await asyncio.shield(self._stopped)
+
+
+#: results up to this size travel to the scheduler (and on to the waiting client) with
+#: the task-finished report: no second round trip to fetch them
+INLINE_MAX_BYTES = 1024
+
+
+def _inline(value: Any, nbytes: int, destination: str) -> Any:
+    if nbytes > INLINE_MAX_BYTES:
+        return None
+    if destination == SAME_PROCESS:
+        return to_serialize(value)
+    try:
+        s = serialize(value, destination)
+    except Exception:
+        return None  # the client will ask for it, and get the error then
+    return s if s.nbytes <= 4 * INLINE_MAX_BYTES else None
 
 
 def _report_crash(fut: Any) -> None:

@@ -65,6 +65,8 @@ class WTask:
     key: Key
     state: str = "released"
     payload: Any = None
+    #: a client waits for the value (the scheduler said so): small ones travel inline
+    report: bool = False
     priority: tuple[int, ...] = (0,)
     #: "compute" (the scheduler's), "fetched" (a local copy), "scattered"
     origin: str = "fetched"
@@ -103,6 +105,8 @@ class ComputeTaskEvent(Event):
     priority: tuple[int, ...]
     #: inputs that their owners placed in shared memory: key -> segment description
     shm: dict[Key, Any] = field(default_factory=dict)
+    #: a client waits for this value: send it along with task-finished if it is small
+    report: bool = False
 
 
 @dataclass
@@ -118,6 +122,8 @@ class ExecuteSuccessEvent(Event):
     duration: float = 0.0
     #: where the value was placed in shared memory (reported to the scheduler)
     shm: Any = None
+    #: the value itself, serialized for the scheduler, when small and wanted by a client
+    inline: Any = None
 
 
 @dataclass
@@ -268,6 +274,7 @@ class WorkerState:
             self._drop_fetch(ts)
         ts.origin = "compute"
         ts.payload = ev.payload
+        ts.report = ev.report
         ts.priority = tuple(ev.priority)
         ts.waiting_for_data = set()
         for dep_key, holders in ev.who_has.items():
@@ -298,10 +305,7 @@ class WorkerState:
 
     def _free_keys(self, ev: FreeKeysEvent) -> None:
         pending = {ts for ts in map(self.tasks.get, ev.keys) if ts is not None}
-        while pending:
-            # dependents first: an input freed along with them is not kept for them
-            ts = next(t for t in sorted(pending) if not t.dependents & pending)
-            pending.discard(ts)
+        for ts in _dependents_first(pending):
             if self.tasks.get(ts.key) is not ts or ts.state in ("fetch", "flight"):
                 continue  # fetches are this worker's business, not the scheduler's
             if ts.state in ("executing", "cancelled"):
@@ -332,6 +336,8 @@ class WorkerState:
             msg = {"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration}
             if ev.shm is not None:
                 msg["shm"] = ev.shm
+            if ev.inline is not None:
+                msg["value"] = ev.inline
             self._send(msg)
         self._release_unneeded_deps(ts)
 
@@ -612,6 +618,29 @@ class WorkerState:
         if len(self.in_flight_workers) < self.max_gathers:
             for ts in self.fetching:
                 assert ts.who_has <= self.in_flight_workers.keys(), f"{ts} could be fetched now"
+
+
+def _dependents_first(tasks: set[WTask]) -> list[WTask]:
+    """``tasks`` ordered so that each comes after its dependents among them (then by
+    priority): an input freed along with its dependents is not kept for them."""
+    order: list[WTask] = []
+    done: set[WTask] = set()
+    for root in sorted(tasks):
+        if root in done:
+            continue
+        stack = [(root, iter(sorted(root.dependents & tasks)))]
+        done.add(root)
+        while stack:
+            ts, deps = stack[-1]
+            for d in deps:
+                if d not in done:
+                    done.add(d)
+                    stack.append((d, iter(sorted(d.dependents & tasks))))
+                    break
+            else:
+                stack.pop()
+                order.append(ts)
+    return order
 
 
 _STATES = frozenset({"waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"})

@@ -143,7 +143,8 @@ def s() -> Any:
 def test_one_task_on_one_worker(s: Sched) -> None:
     s.add_worker("w1")
     out = s.submit(task("x"))
-    assert out == [ComputeTask(out[0].stimulus_id, "w1", "x", "payload-x", {}, {}, s.ts("x").priority)]
+    # the client waits for x: the worker is asked to send a small value back inline
+    assert out == [ComputeTask(out[0].stimulus_id, "w1", "x", "payload-x", {}, {}, s.ts("x").priority, report=True)]
     assert s.ts("x").state == "processing" and s.ts("x").processing_on is s.state.workers["w1"]
 
     out = s.finish("w1", "x", nbytes=123)
