@@ -147,6 +147,7 @@ class Worker:
                                 dict(msg.get("who_has") or {}), dict(msg.get("nbytes") or {}),
                                 tuple(msg.get("priority") or (0,)),
                                 dict(msg.get("shm") or {}),
+                                bool(msg.get("report")),
                             ))
                         elif op == "free-keys":
                             events.append(FreeKeysEvent(self._stimulus("free"), list(msg.get("keys") or ())))
@@ -375,10 +376,10 @@ INLINE_MAX_BYTES = 1024
 
 
 def _inline(value: Any, nbytes: int, destination: str) -> Any:
-    if nbytes > INLINE_MAX_BYTES:
-        return None
     if destination == SAME_PROCESS:
-        return to_serialize(value)
+        return to_serialize(value)  # by reference: costs nothing, whatever its size
+    if nbytes > 16 * INLINE_MAX_BYTES:  # a rough estimate: do not even try to pickle it
+        return None
     try:
         s = serialize(value, destination)
     except Exception:

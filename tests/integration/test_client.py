@@ -250,3 +250,13 @@ def test_result_that_cannot_be_serialized_is_a_clear_error(cluster):
         else:
             assert type(f.result(timeout=10)) is type(threading.Lock())
         assert c.submit(inc, 1, pure=False).result(timeout=10) == 2
+
+
+def test_small_results_come_back_with_their_report(client):
+    """A small value a client waits for travels with task-finished: gathering it asks no worker."""
+    before = client.transfer_stats()
+    f = client.submit(lambda: {"answer": 42}, pure=False)
+    assert f._state is not None and f.result(timeout=10) == {"answer": 42}
+    assert f._state.has_value
+    after = client.transfer_stats()
+    assert {w: s["tcp"] + s["inproc"] for w, s in after.items()} == {w: s["tcp"] + s["inproc"] for w, s in before.items()}
