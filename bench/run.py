@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 5)
     overrides = _parse_set(args.set)
+    unused = [k for k in overrides if not any(k in workloads[n].params for n in names)]
+    if unused:
+        parser.error(f"--set {', '.join(unused)}: no selected workload has such a parameter")
 
     info = machine_info()
     print(f"# {info['date']}  {info['host']}  {info['cpus']} cpus  {info.get('cpu', '')}  python {info['python']}"

@@ -10,6 +10,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CancelledError
+from ..protocol import Serialize, Serialized, deserialize
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, Serialize):
+        return value.data
+    if isinstance(value, Serialized):
+        return deserialize(value)
+    return value
 
 if TYPE_CHECKING:
     from .client import Client
@@ -28,7 +37,7 @@ class FutureState:
     """
 
     __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "value", "has_value",
-                 "_event", "_callbacks", "_lock")
+                 "_event", "_callbacks", "_lock", "done_event")
 
     def __init__(self, key: Any):
         self.key = key
@@ -44,6 +53,8 @@ class FutureState:
         self._event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        #: set while the state is final; lets a thread wait without the event loop
+        self.done_event = threading.Event()
 
     def event(self) -> asyncio.Event:
         if self._event is None:
@@ -53,6 +64,7 @@ class FutureState:
         return self._event
 
     def _done(self) -> None:
+        self.done_event.set()
         if self._event is not None:
             self._event.set()
         with self._lock:
@@ -85,6 +97,7 @@ class FutureState:
         self.workers = []
         self.shm = None
         self.value, self.has_value = None, False
+        self.done_event.clear()
         if self._event is not None:
             self._event.clear()
 
@@ -128,6 +141,18 @@ class Future:
         with the worker's traceback as a note), :class:`~shoal.CancelledError` if it was
         cancelled, ``TimeoutError`` after ``timeout`` seconds. On an asynchronous client
         this returns an awaitable."""
+        st = self._state
+        if not self.client.asynchronous:
+            # wait in this thread; a small value that came with its report needs no loop
+            if not st.done_event.wait(timeout):
+                raise TimeoutError(f"{self!r} not done within {timeout}s")
+            if st.status in ("error", "cancelled") and st.exception is not None:
+                raise st.exception
+            if st.status == "finished" and st.has_value:
+                try:
+                    return _unwrap(st.value)
+                except Exception:
+                    pass  # fetch it from its worker below
         return self.client._sync(self._result, timeout)
 
     async def _result(self, timeout: float | None = None) -> Any:

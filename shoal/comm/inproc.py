@@ -102,8 +102,9 @@ class InprocComm(Comm):
         self.write_nowait(msg)
         return 0
 
-    def write_nowait(self, msg: Any) -> None:
-        """Hand ``msg`` to the peer without awaiting (same errors as :meth:`write`)."""
+    def write_nowait(self, msg: Any) -> bool:
+        """Hand ``msg`` to the peer without awaiting (same errors as :meth:`write`);
+        always succeeds (returns ``True``)."""
         if self._closed:
             raise CommClosedError(f"{self!r} was closed")
         peer = self._peer
@@ -111,6 +112,7 @@ class InprocComm(Comm):
             # a closed peer would never read it: say so instead of dropping it
             raise CommBrokenError(f"peer {self.peer_address} closed the connection")
         peer._inbox.put(msg)
+        return True
 
     async def close(self) -> None:
         self.abort()

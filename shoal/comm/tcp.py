@@ -381,6 +381,7 @@ class TCPComm(Comm):
         self._closed = False
         #: leases of values we sent, held until the peer acknowledges them
         self._leases: dict[int, Any] = {}
+        self._rest: asyncio.Future[None] | None = None
         self._lost = False
 
     # -- reading
@@ -438,6 +439,48 @@ class TCPComm(Comm):
         self._end_leases(list(self._leases), reason)
 
     # -- writing
+
+    def write_nowait(self, msg: Any) -> bool:
+        """Send a small message at once if nothing else is being sent; ``False`` (and
+        nothing done) when it has to wait for its turn or needs the thread pool. What
+        the kernel does not take at once goes out in order in the background. Raises
+        like :meth:`write`."""
+        if self._writers:
+            return False
+        self._check_writable()
+        prepared = prepare(msg)
+        if prepared.values and prepared.nbytes > config.get("offload-threshold"):
+            return False
+        frames = prepared.frames(self.destination)
+        buffers, size = _buffers(frames)
+        if len(buffers) > _IOV_MAX:
+            prepared.end_leases("not sent")
+            return False
+        self._hold_leases(prepared.leases)
+        try:
+            sent = self._wsock.send(buffers[0]) if len(buffers) == 1 else self._wsock.sendmsg(buffers)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.abort()
+            raise CommBrokenError(f"connection to {self.peer_address} broke: {exc}") from exc
+        views: deque[Any] = deque(buffers)
+        _advance(views, sent)
+        if views:
+            # the rest waits for the socket, ahead of any later write
+            self._writers += 1
+            task = asyncio.ensure_future(self._send_rest(views, sent > 0))
+            self._rest = task
+        return True
+
+    async def _send_rest(self, views: deque[Any], started: bool) -> None:
+        try:
+            async with self._write_lock:
+                await self._send(views, started)
+        except CommError:
+            pass  # the connection is gone; readers see it
+        finally:
+            self._writers -= 1
 
     async def write(self, msg: Any) -> int:
         self._check_writable()

@@ -39,11 +39,15 @@ class BatchedSend:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
+        self._idle = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recent: deque[float] = deque()
 
     def start(self, comm: Comm) -> None:
         """Begin sending on ``comm`` (call on the loop that owns it)."""
         self.comm = comm
         self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.ensure_future(self._run())
         if self.buffer:
             self._wake.set()
@@ -52,17 +56,49 @@ class BatchedSend:
         """Queue messages; raises :class:`~shoal.errors.CommClosedError` once closed."""
         if self._closing or (self.comm is not None and self.comm.closed()):
             raise CommClosedError(f"batched stream {self.name} is closed")
+        if not self.buffer and self._idle and self._write_now(list(msgs)):
+            return
         self.buffer.extend(msgs)
         if self._wake is not None:
             self._wake.set()
 
+    def _write_now(self, batch: list[Any]) -> bool:
+        """A quiet stream hands a batch to the comm at once, without waiting for the
+        next turn of the loop, when the comm can take it synchronously."""
+        write_nowait = getattr(self.comm, "write_nowait", None)
+        if write_nowait is None or self._loop is None:
+            return False
+        now = self._loop.time()
+        recent = self._recent
+        while recent and recent[0] <= now - self.interval:
+            recent.popleft()
+        if len(recent) >= self.burst:
+            return False
+        try:
+            if not write_nowait(batch):
+                return False
+        except CommError:
+            return False  # the background task sees the same error and stops the stream
+        except Exception:
+            logger.exception("batched stream %s: cannot send a batch; aborting the stream", self.name)
+            self._closing = True
+            assert self.comm is not None
+            self.comm.abort()
+            return True
+        recent.append(now)
+        self.message_count += len(batch)
+        self.batch_count += 1
+        return True
+
     async def _run(self) -> None:
         assert self._wake is not None and self.comm is not None
         loop = asyncio.get_running_loop()
-        recent: deque[float] = deque()
+        recent = self._recent
         try:
             while True:
+                self._idle = not self.buffer
                 await self._wake.wait()
+                self._idle = False
                 now = loop.time()
                 while recent and recent[0] <= now - self.interval:
                     recent.popleft()
