@@ -67,9 +67,12 @@ class ShmUnavailable(ShoalError):
     """Shared memory cannot be used for this value (full, missing, or turned off)."""
 
 
+_HAS_SHM_DIR = os.path.isdir(SHM_DIR)
+
+
 def enabled() -> bool:
     """Whether this process may use the shared-memory data plane."""
-    return os.environ.get("SHOAL_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
+    return _HAS_SHM_DIR and os.environ.get("SHOAL_SHM", "1") != "0"
 
 
 def _path(name: str) -> str:
