@@ -27,9 +27,9 @@ from typing import Any
 from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm
-from ..errors import CommError, DeserializationError, GraphError, KilledWorker, LostDataError, RemoteError
-from ..protocol import SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, PooledRPC
+from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
+from ..protocol import Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
 from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
 from . import graphs
 from .future import Future, FutureState
@@ -302,12 +302,7 @@ class Client:
     async def _read_scheduler(self, comm: Comm) -> None:
         try:
             while True:
-                try:
-                    batch = await comm.read()
-                except DeserializationError as exc:
-                    logger.error("dropped a message from the scheduler that cannot be read: %s", exc)
-                    continue
-                for msg in batch if isinstance(batch, list) else [batch]:
+                for msg in await read_batch(comm):
                     try:
                         self._handle_report(msg)
                     except Exception:

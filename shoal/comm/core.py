@@ -23,8 +23,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .. import config
-from ..errors import CommConnectError, HandshakeError
-from ..protocol import PROTOCOL_VERSION, REMOTE, SAME_HOST
+from ..errors import HandshakeError
+from ..protocol import PROTOCOL_VERSION, REMOTE
 
 __all__ = [
     "Comm",
@@ -230,11 +230,6 @@ def check_handshake(info: Any, peer: str) -> dict[str, Any]:
             f"version {PROTOCOL_VERSION}"
         )
     return info
-
-
-def destination_for(info: dict[str, Any]) -> str:
-    """Serialization destination for a peer over a byte transport."""
-    return SAME_HOST if info.get("host") == _HOST_ID else REMOTE
 
 
 async def run_handler(handler: Handler, comm: Comm) -> None:

@@ -1,11 +1,12 @@
 """Request/response servers, proxies, a connection pool and batched streams."""
 
-from .batched import BatchedSend
+from .batched import BatchedSend, read_batch
 from .core import Server, error_message, raise_error_message, request, result_of, send_recv
 from .pool import ConnectionPool, PooledRPC, rpc
 
 __all__ = [
     "BatchedSend",
+    "read_batch",
     "ConnectionPool",
     "PooledRPC",
     "Server",

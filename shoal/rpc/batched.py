@@ -9,9 +9,9 @@ from typing import Any
 
 from .. import config
 from ..comm import Comm
-from ..errors import CommClosedError, CommError
+from ..errors import CommClosedError, CommError, DeserializationError
 
-__all__ = ["BatchedSend"]
+__all__ = ["BatchedSend", "read_batch"]
 
 logger = logging.getLogger("shoal.rpc.batched")
 
@@ -150,3 +150,17 @@ class BatchedSend:
             self._task.cancel()
         if self.comm is not None:
             self.comm.abort()
+
+
+async def read_batch(comm: Comm) -> list[Any]:
+    """The next batch of messages a :class:`BatchedSend` sent on ``comm`` (a lone
+    message comes back as a list of one). A batch that cannot be decoded is logged and
+    skipped: one bad message must not stop a stream. Raises
+    :class:`~shoal.errors.CommError` when the stream ends."""
+    while True:
+        try:
+            batch = await comm.read()
+        except DeserializationError as exc:
+            logger.error("dropped a batch from %s that cannot be read: %s", comm.peer_address, exc)
+            continue
+        return batch if isinstance(batch, list) else [batch]

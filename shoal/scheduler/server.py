@@ -17,8 +17,8 @@ from typing import Any
 
 from ..comm import Comm, shm
 from ..comm.core import local_info
-from ..errors import CommError, DeserializationError
-from ..rpc import BatchedSend, Server
+from ..errors import CommError
+from ..rpc import BatchedSend, Server, read_batch
 from .state import (
     AddClientEvent,
     AddWorkerEvent,
@@ -145,12 +145,7 @@ class Scheduler:
         clean = False
         try:
             while True:
-                try:
-                    batch = await comm.read()
-                except DeserializationError as exc:
-                    logger.error("dropped a message from %s that cannot be read: %s", comm.peer_address, exc)
-                    continue
-                for msg in batch if isinstance(batch, list) else [batch]:
+                for msg in await read_batch(comm):
                     if isinstance(msg, dict) and msg.get("op") == "unregister":
                         clean = True
                     try:
@@ -223,13 +218,8 @@ class Scheduler:
         self._apply(AddClientEvent(self._stimulus("add-client"), client))
         try:
             while True:
-                try:
-                    batch = await comm.read()
-                except DeserializationError as exc:
-                    logger.error("dropped a message from %s that cannot be read: %s", comm.peer_address, exc)
-                    continue
                 closing = False
-                for msg in batch if isinstance(batch, list) else [batch]:
+                for msg in await read_batch(comm):
                     if isinstance(msg, dict) and msg.get("op") == "close-client":
                         closing = True
                         continue

@@ -21,11 +21,11 @@ from typing import Any
 
 from ..comm import Comm, connect
 from ..comm.core import local_info
-from ..errors import CommError, DeserializationError
+from ..errors import CommError
 from .. import config
 from ..comm import shm
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, Server
+from ..rpc import BatchedSend, ConnectionPool, Server, read_batch
 from ..taskspec import RunSpec, run
 from .store import WorkerStore
 from .state import (
@@ -132,13 +132,8 @@ class Worker:
     async def _read_scheduler(self, comm: Comm) -> None:
         try:
             while True:
-                try:
-                    batch = await comm.read()
-                except DeserializationError as exc:
-                    logger.error("dropped a message from the scheduler that cannot be read: %s", exc)
-                    continue
                 events = []
-                for msg in batch if isinstance(batch, list) else [batch]:
+                for msg in await read_batch(comm):
                     op = msg.get("op") if isinstance(msg, dict) else None
                     try:
                         if op == "compute-task":
