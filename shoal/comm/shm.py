@@ -133,16 +133,26 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     for r in raws:
         layout.append([pos, r.nbytes])
         pos = _align(pos + r.nbytes)
-    name, fd, size = _writable_segment(pos)
+    pieces = [(_HEADER, memoryview(data))] + [(off, r) for (off, _), r in zip(layout, raws)]
+    name, size, token = _fill_segment(pos, pieces)
+    info: SegmentInfo = [name, size, len(data), layout, token]
+    seg = Segment(name, size, info)
+    return seg, attach(info)
+
+
+def _fill_segment(need: int, pieces: list[tuple[int, memoryview]]) -> tuple[str, int, str]:
+    """A segment (reused or new) of at least ``need`` bytes with a fresh header and
+    each ``(offset, buffer)`` copied in; returns ``(name, size, token)``. Raises
+    :class:`ShmUnavailable`; nothing is left behind on failure."""
+    name, fd, size = _writable_segment(need)
     token = secrets.token_hex(8)
     try:
         with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
             view = memoryview(m)
             try:
                 view[:_HEADER] = _header(token)
-                view[_HEADER : _HEADER + len(data)] = data
-                for (off, n), r in zip(layout, raws):
-                    _copy_into(view[off : off + n], r)
+                for offset, buf in pieces:
+                    _copy_into(view[offset : offset + buf.nbytes], buf)
             finally:
                 view.release()
     except BaseException:
@@ -150,9 +160,7 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
         unlink(name)
         raise
     os.close(fd)  # releases the exclusive lock: readers may map it now
-    info: SegmentInfo = [name, size, len(data), layout, token]
-    seg = Segment(name, size, info)
-    return seg, attach(info)
+    return name, size, token
 
 
 def _header(token: str) -> bytes:
@@ -526,22 +534,7 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
 
 def _segment_for_buffer(raw: memoryview) -> tuple[str, int, str]:
     """A new segment holding a copy of ``raw``; returns (name, size, token)."""
-    name, fd, size = _writable_segment(_align(_HEADER + raw.nbytes))
-    token = secrets.token_hex(8)
-    try:
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
-            view = memoryview(m)
-            try:
-                view[:_HEADER] = _header(token)
-                _copy_into(view[_HEADER : _HEADER + raw.nbytes], raw)
-            finally:
-                view.release()
-    except BaseException:
-        os.close(fd)
-        unlink(name)
-        raise
-    os.close(fd)
-    return name, size, token
+    return _fill_segment(_align(_HEADER + raw.nbytes), [(_HEADER, raw)])
 
 
 def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
