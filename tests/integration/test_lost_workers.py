@@ -89,3 +89,29 @@ def test_client_that_disconnects_releases_its_tasks(cluster):
         # the first client is gone: its keys go, unless another client holds them
         wait_for(lambda: key not in other.who_has(), what="the departed client's key to go")
         assert same.result(timeout=30) == 21
+
+
+def test_worker_killed_while_a_peer_fetches_from_it(monkeypatch):
+    """The owner is frozen (SIGSTOP) while a peer fetches its value over tcp, then
+    killed: the fetch fails, the value is computed again, the dependent completes."""
+    import numpy as np
+
+    monkeypatch.setenv("SHOAL_SHM", "0")  # bytes over tcp: the fetch needs the owner
+    with shoal.LocalCluster(n_workers=2, processes=True) as cluster, shoal.Client(cluster) as c:
+        a_addr, b_addr = cluster.worker_addresses
+        pids = c.run(os.getpid)
+        x = c.submit(lambda: np.ones(16 << 20, dtype=np.uint8), pure=False)
+        x.result(timeout=30)
+        owner = c.who_has([x])[x.key][0]
+        other = b_addr if owner == a_addr else a_addr
+        os.kill(pids[owner], signal.SIGSTOP)
+        try:
+            y = c.submit(lambda v: int(v.sum()), x, workers=[other])
+            state = cluster.scheduler.state
+            wait_for(lambda: y.key in state.tasks and state.tasks[y.key].state == "processing",
+                     what="the dependent to be sent to the other worker")
+        finally:
+            os.kill(pids[owner], signal.SIGKILL)
+        assert y.result(timeout=60) == 16 << 20
+    for pid in pids.values():
+        assert not shm.segments_of(pid)
