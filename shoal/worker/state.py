@@ -320,13 +320,21 @@ class WorkerState:
             else:
                 self._release(ts)
 
-    def _execute_success(self, ev: ExecuteSuccessEvent) -> None:
-        ts = self.tasks.get(ev.key)
+    def _thread_done(self, key: Key) -> WTask | None:
+        """The task whose thread reported, with its thread freed; ``None`` when the
+        report is moot (unknown key, or a scattered value arrived meanwhile)."""
+        ts = self.tasks.get(key)
         if ts is None or ts not in self.executing:
-            return
+            return None
         self.executing.discard(ts)
         if ts.state == "memory":
-            return  # a scattered value arrived meanwhile: keep that one
+            return None  # a scattered value arrived meanwhile: keep that one
+        return ts
+
+    def _execute_success(self, ev: ExecuteSuccessEvent) -> None:
+        ts = self._thread_done(ev.key)
+        if ts is None:
+            return
         if ts.state == "cancelled" and not self._needed(ts):
             self._release(ts)
             return
@@ -342,12 +350,9 @@ class WorkerState:
         self._release_unneeded_deps(ts)
 
     def _execute_failure(self, ev: ExecuteFailureEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        if ts is None or ts not in self.executing:
+        ts = self._thread_done(ev.key)
+        if ts is None:
             return
-        self.executing.discard(ts)
-        if ts.state == "memory":
-            return  # a scattered value arrived meanwhile: keep that one
         if ts.state == "executing":
             self._send({
                 "op": "task-erred", "key": ts.key, "exception": ev.exception,
