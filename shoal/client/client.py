@@ -28,11 +28,11 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm
 from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
-from ..protocol import Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..protocol import sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
 from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
-from . import graphs
-from .future import Future, FutureState
+from .collections import DaskCollections
+from .future import Future, FutureState, _unwrap
 
 __all__ = ["Client"]
 
@@ -41,7 +41,7 @@ logger = logging.getLogger("shoal.client")
 _warned_large: set[str] = set()
 
 
-class Client:
+class Client(DaskCollections):
     """Connect to a cluster and run work on it.
 
     ``address`` is a scheduler address or a ``LocalCluster``; with neither, the client
@@ -651,92 +651,8 @@ class Client:
     async def _counters(self) -> dict[str, Any]:
         return await self._scheduler_rpc().counters()
 
-    # -- dask graphs and collections
-
-    def compute(self, collections: Any, optimize_graph: bool = True) -> Any:
-        """Start computing dask collections (one, or a list/tuple of them) on the
-        cluster; returns a future per collection, whose result is what
-        ``collection.compute()`` would return. Non-collections come back as they are."""
-        import dask
-        from dask._expr import FinalizeCompute
-        from dask.base import collections_to_expr
-
-        single = not isinstance(collections, (list, tuple))
-        colls = [collections] if single else list(collections)
-        out: list[Any] = []
-        tasks: list[dict[str, Any]] = []
-        wanted: list[Any] = []
-        for coll in colls:
-            if not dask.is_dask_collection(coll):
-                out.append(coll)
-                continue
-            expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
-            keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
-            if len(keys) != 1:
-                raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-            graph_tasks, _ = graphs.graph_to_tasks(expr, keys)
-            tasks.extend(graph_tasks)
-            wanted.append(keys[0])
-            out.append(Future(keys[0], self))
-        if tasks:
-            self._submit_tasks(tasks, wanted)
-        return out[0] if single else type(collections)(out)
-
-    def persist(self, collections: Any, optimize_graph: bool = True, **kwargs: Any) -> Any:
-        """Start computing dask collections and return the same collections backed by
-        the cluster's results (their graphs hold futures): later computations on them
-        start from those results. ``dask.persist(x, scheduler=client.get)`` calls this."""
-        import dask
-        from dask.base import collections_to_expr
-
-        single = not isinstance(collections, (list, tuple))
-        colls = [collections] if single else list(collections)
-        dask_colls = [c for c in colls if dask.is_dask_collection(c)]
-        if not dask_colls:
-            return collections
-        expr = collections_to_expr(dask_colls, optimize_graph).optimize()
-        per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
-                    for k in expr.__dask_keys__()]
-        if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
-            per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
-        all_keys = [k for ks in per_coll for k in ks]
-        tasks, _ = graphs.graph_to_tasks(expr, all_keys)
-        futures = {k: Future(k, self) for k in all_keys}
-        self._submit_tasks(tasks, all_keys)
-        rebuilt = iter(
-            rebuild({k: futures[k] for k in ks}, *state)
-            for (rebuild, state), ks in zip((c.__dask_postpersist__() for c in dask_colls), per_coll)
-        )
-        out = [next(rebuilt) if dask.is_dask_collection(c) else c for c in colls]
-        return out[0] if single else type(collections)(out)
-
-    def get(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        """Run a dask-style graph and return the values of ``keys`` (a key or nested
-        lists of keys), so ``dask.compute(x, scheduler=client.get)`` works. Raises
-        ``KeyError`` for a requested key not in the graph and :class:`GraphError` for a
-        cycle."""
-        return self._sync(self._get, dsk, keys)
-
-    async def _get(self, dsk: Any, keys: Any) -> Any:
-        tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
-        futures = [Future(k, self) for k in flat_keys]
-        self._submit_tasks(tasks, flat_keys)
-        try:
-            values = await self._gather_async(futures)
-        finally:
-            for f in futures:
-                f.release()
-        by_key = dict(zip(flat_keys, values))
-        return graphs.pack(keys, by_key)
-
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _refs(keys: Any) -> Any:
-    if isinstance(keys, list):
-        return [_refs(k) for k in keys]
-    return Ref(keys)
 
 
 def _restrictions(workers: Any) -> list[str] | None:
@@ -789,14 +705,6 @@ def _rebuild(obj: Any, values: dict[Any, Any]) -> Any:
     if isinstance(obj, dict):
         return {k: _rebuild(v, values) for k, v in obj.items()}
     return obj
-
-
-def _unwrap(value: Any) -> Any:
-    if isinstance(value, Serialize):
-        return value.data
-    if isinstance(value, Serialized):
-        return deserialize(value)
-    return value
 
 
 def _rebuild_exception(msg: dict[str, Any]) -> BaseException:

@@ -40,10 +40,6 @@ def _run_node(node: Any, values: dict[Any, Any]) -> Any:
     return node(values)
 
 
-def finalize(func: Any, args: tuple[Any, ...], results: Any) -> Any:
-    """A collection's ``__dask_postcompute__`` step, run as the last task."""
-    return func(results, *args)
-
 
 def _identity(x: Any) -> Any:
     return x
