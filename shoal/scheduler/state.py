@@ -43,7 +43,6 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from .events import (
@@ -66,6 +65,15 @@ from .events import (
     UpdateDataEvent,
     UpdateGraphEvent,
 )
+from .model import (
+    InvalidTransition,
+    TaskState,
+    WorkerState,
+    dependents_closure,
+    find_cycle,
+    topological,
+)
+from .validation import validate_state
 
 __all__ = [
     "SchedulerState",
@@ -98,70 +106,6 @@ Key = Hashable
 DEFAULT_AHEAD = 2
 #: a task that was running on this many workers when they died errs with KilledWorker
 ALLOWED_FAILURES = 3
-
-
-class InvalidTransition(RuntimeError):
-    """A state change the transition table does not allow."""
-
-
-# ------------------------------------------------------------------------- the model
-
-
-@dataclass(eq=False)
-class WorkerState:
-    address: str
-    nthreads: int
-    host: str = ""
-    pid: int = 0
-    name: str = ""
-    processing: set[TaskState] = field(default_factory=set)
-    has_what: set[TaskState] = field(default_factory=set)
-    nbytes: int = 0
-
-    def __repr__(self) -> str:
-        return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
-
-
-@dataclass(eq=False)
-class TaskState:
-    key: Key
-    payload: Any = None
-    state: str = "released"
-    priority: tuple[int, ...] = (0,)
-    dependencies: set[TaskState] = field(default_factory=set)
-    dependents: set[TaskState] = field(default_factory=set)
-    #: dependencies not in memory yet
-    waiting_on: set[TaskState] = field(default_factory=set)
-    #: dependents that have yet to run and need this value
-    waiters: set[TaskState] = field(default_factory=set)
-    who_has: set[WorkerState] = field(default_factory=set)
-    processing_on: WorkerState | None = None
-    who_wants: set[str] = field(default_factory=set)
-    restrictions: set[str] | None = None
-    nbytes: int = -1
-    retries: int = 0
-    suspicious: int = 0
-    #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
-    exception: Any = None
-    traceback: Any = None
-    exception_text: str = ""
-    exception_blame: TaskState | None = None
-    #: for errors the scheduler raises itself: "KilledWorker", "LostData", ...
-    error_kind: str = ""
-    #: where the value lies in shared memory (opaque, from the worker that placed it)
-    shm: Any = None
-    shm_owner: str = ""
-    #: a small value the worker sent along (opaque), for clients that ask later
-    inline: Any = None
-
-    def __repr__(self) -> str:
-        return f"<TaskState {self.key!r} {self.state}>"
-
-    def __lt__(self, other: TaskState) -> bool:
-        return self.priority < other.priority
-
-
-# -------------------------------------------------------------------------- the state
 
 
 class SchedulerState:
@@ -280,12 +224,12 @@ class SchedulerState:
                 if dep not in new and dep not in self.tasks:
                     self._refuse_graph(ev, f"task {t.key!r} depends on unknown key {dep!r}")
                     return
-        cycle = _find_cycle(new)
+        cycle = find_cycle(new)
         if cycle:
             self._refuse_graph(ev, "the graph has a cycle: " + " -> ".join(map(repr, cycle)))
             return
         generation = next(self._generation)
-        order = _topological(new)
+        order = topological(new)
         created: list[TaskState] = []
         for i, key in enumerate(order):
             t = new[key]
@@ -389,7 +333,7 @@ class SchedulerState:
                 continue
             # a value in memory is only released; otherwise the client's futures on this
             # task and on everything built on it are cancelled
-            for dts in [ts] if ts.state == "memory" else [ts, *_dependents_closure(ts)]:
+            for dts in [ts] if ts.state == "memory" else [ts, *dependents_closure(ts)]:
                 if ev.client in dts.who_wants:
                     dts.who_wants.discard(ev.client)
                     self._emit(ClientMsg(self._stimulus, ev.client, {"op": "cancelled-key", "key": dts.key}))
@@ -790,59 +734,7 @@ class SchedulerState:
 
     def validate(self) -> None:
         """Check every invariant; raise ``AssertionError`` on the first broken one."""
-        for key, ts in self.tasks.items():
-            assert ts.key == key
-            assert ts.state in _STATES, ts
-            if ts.state == "memory":
-                assert ts.who_has, f"{ts} in memory on no worker"
-                assert ts.who_wants or ts.waiters, f"{ts} in memory, but nobody needs it"
-            else:
-                assert not ts.who_has, f"{ts} not in memory but held by {ts.who_has}"
-            if ts.state == "processing":
-                ws = ts.processing_on
-                assert ws is not None and ts in ws.processing, ts
-                assert self.workers.get(ws.address) is ws, ts
-                assert ts.restrictions is None or ws.address in ts.restrictions, ts
-            else:
-                assert ts.processing_on is None, ts
-            if ts.state == "queued":
-                assert ts in self.queued
-                assert all(d.state == "memory" for d in ts.dependencies), ts
-            if ts.state == "waiting":
-                assert ts.waiting_on, f"{ts} waits on nothing"
-                assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
-                assert all(d.state in ("waiting", "queued", "processing") for d in ts.waiting_on), ts
-            else:
-                assert not ts.waiting_on, ts
-            if ts.state in ("released", "erred"):
-                assert ts.who_wants or ts.dependents, f"{ts} is needed by nobody: it should be forgotten"
-            if ts.state == "released":
-                assert not ts.waiters, ts
-            assert ts.waiters == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
-            if ts.state == "erred":
-                assert ts.exception_blame is not None, ts
-            for dep in ts.dependencies:
-                assert ts in dep.dependents
-                assert self.tasks.get(dep.key) is dep, f"{ts} depends on forgotten {dep}"
-            for dts in ts.dependents:
-                assert ts in dts.dependencies
-                assert self.tasks.get(dts.key) is dts, f"{ts} has forgotten dependent {dts}"
-            for ws in ts.who_has:
-                assert ts in ws.has_what and self.workers.get(ws.address) is ws
-        assert len(self.queued) == len(set(self.queued))
-        for ts in self.queued:
-            assert ts.state == "queued" and self.tasks.get(ts.key) is ts
-            # no worker it may run on has room
-            for ws in self.workers.values():
-                if ts.restrictions is None or ws.address in ts.restrictions:
-                    assert self._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
-        for ws in self.workers.values():
-            assert len(ws.processing) <= ws.nthreads * (1 + max(self.ahead, self.max_ahead)), ws
-            for ts in ws.processing:
-                assert ts.processing_on is ws and ts.state == "processing"
-            for ts in ws.has_what:
-                assert ws in ts.who_has
-            assert ws.nbytes == sum(max(ts.nbytes, 0) for ts in ws.has_what), ws
+        validate_state(self)
 
     def task_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -851,7 +743,6 @@ class SchedulerState:
         return counts
 
 
-_STATES = {"released", "waiting", "queued", "processing", "memory", "erred"}
 #: states that hold a value or will compute one: worth forgetting once nobody needs them
 _ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})
 
@@ -869,68 +760,3 @@ _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
     ("erred", "released"): SchedulerState._to_released,
     ("released", "forgotten"): SchedulerState._released_forgotten,
 }
-
-
-def _dependents_closure(ts: TaskState) -> list[TaskState]:
-    out: list[TaskState] = []
-    seen = {ts}
-    stack = list(ts.dependents)
-    while stack:
-        d = stack.pop()
-        if d in seen:
-            continue
-        seen.add(d)
-        out.append(d)
-        stack.extend(d.dependents)
-    return out
-
-
-def _find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:
-    """A cycle among ``tasks`` (as a list of keys), or ``[]``."""
-    color: dict[Key, int] = {}
-    for root in tasks:
-        if root in color:
-            continue
-        stack: list[tuple[Key, Iterable[Key]]] = [(root, iter(tasks[root].dependencies))]
-        path = [root]
-        color[root] = 1
-        while stack:
-            key, deps = stack[-1]
-            for dep in deps:
-                if dep not in tasks:
-                    continue
-                c = color.get(dep, 0)
-                if c == 1:
-                    return path[path.index(dep):] + [dep]
-                if c == 0:
-                    color[dep] = 1
-                    path.append(dep)
-                    stack.append((dep, iter(tasks[dep].dependencies)))
-                    break
-            else:
-                color[key] = 2
-                path.pop()
-                stack.pop()
-    return []
-
-
-def _topological(tasks: dict[Key, NewTask]) -> list[Key]:
-    """Keys with dependencies first, otherwise in submission order."""
-    out: list[Key] = []
-    done: set[Key] = set()
-    for root in tasks:
-        if root in done:
-            continue
-        stack: list[tuple[Key, Any]] = [(root, iter(tasks[root].dependencies))]
-        while stack:
-            key, deps = stack[-1]
-            for dep in deps:
-                if dep in tasks and dep not in done:
-                    stack.append((dep, iter(tasks[dep].dependencies)))
-                    break
-            else:
-                stack.pop()
-                if key not in done:
-                    done.add(key)
-                    out.append(key)
-    return out

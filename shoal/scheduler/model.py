@@ -1,0 +1,142 @@
+"""What the scheduler knows: tasks, workers, and graph helpers (plain data, no IO)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import NewTask
+
+__all__ = ["InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
+
+Key = Hashable
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the transition table does not allow."""
+
+
+# ------------------------------------------------------------------------- the model
+
+
+@dataclass(eq=False)
+class WorkerState:
+    address: str
+    nthreads: int
+    host: str = ""
+    pid: int = 0
+    name: str = ""
+    processing: set[TaskState] = field(default_factory=set)
+    has_what: set[TaskState] = field(default_factory=set)
+    nbytes: int = 0
+
+    def __repr__(self) -> str:
+        return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
+
+
+@dataclass(eq=False)
+class TaskState:
+    key: Key
+    payload: Any = None
+    state: str = "released"
+    priority: tuple[int, ...] = (0,)
+    dependencies: set[TaskState] = field(default_factory=set)
+    dependents: set[TaskState] = field(default_factory=set)
+    #: dependencies not in memory yet
+    waiting_on: set[TaskState] = field(default_factory=set)
+    #: dependents that have yet to run and need this value
+    waiters: set[TaskState] = field(default_factory=set)
+    who_has: set[WorkerState] = field(default_factory=set)
+    processing_on: WorkerState | None = None
+    who_wants: set[str] = field(default_factory=set)
+    restrictions: set[str] | None = None
+    nbytes: int = -1
+    retries: int = 0
+    suspicious: int = 0
+    #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
+    exception: Any = None
+    traceback: Any = None
+    exception_text: str = ""
+    exception_blame: TaskState | None = None
+    #: for errors the scheduler raises itself: "KilledWorker", "LostData", ...
+    error_kind: str = ""
+    #: where the value lies in shared memory (opaque, from the worker that placed it)
+    shm: Any = None
+    shm_owner: str = ""
+    #: a small value the worker sent along (opaque), for clients that ask later
+    inline: Any = None
+
+    def __repr__(self) -> str:
+        return f"<TaskState {self.key!r} {self.state}>"
+
+    def __lt__(self, other: TaskState) -> bool:
+        return self.priority < other.priority
+
+
+# -------------------------------------------------------------------------- the state
+
+
+def dependents_closure(ts: TaskState) -> list[TaskState]:
+    out: list[TaskState] = []
+    seen = {ts}
+    stack = list(ts.dependents)
+    while stack:
+        d = stack.pop()
+        if d in seen:
+            continue
+        seen.add(d)
+        out.append(d)
+        stack.extend(d.dependents)
+    return out
+
+
+def find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:
+    """A cycle among ``tasks`` (as a list of keys), or ``[]``."""
+    color: dict[Key, int] = {}
+    for root in tasks:
+        if root in color:
+            continue
+        stack: list[tuple[Key, Iterable[Key]]] = [(root, iter(tasks[root].dependencies))]
+        path = [root]
+        color[root] = 1
+        while stack:
+            key, deps = stack[-1]
+            for dep in deps:
+                if dep not in tasks:
+                    continue
+                c = color.get(dep, 0)
+                if c == 1:
+                    return path[path.index(dep):] + [dep]
+                if c == 0:
+                    color[dep] = 1
+                    path.append(dep)
+                    stack.append((dep, iter(tasks[dep].dependencies)))
+                    break
+            else:
+                color[key] = 2
+                path.pop()
+                stack.pop()
+    return []
+
+
+def topological(tasks: dict[Key, NewTask]) -> list[Key]:
+    """Keys with dependencies first, otherwise in submission order."""
+    out: list[Key] = []
+    done: set[Key] = set()
+    for root in tasks:
+        if root in done:
+            continue
+        stack: list[tuple[Key, Any]] = [(root, iter(tasks[root].dependencies))]
+        while stack:
+            key, deps = stack[-1]
+            for dep in deps:
+                if dep in tasks and dep not in done:
+                    stack.append((dep, iter(tasks[dep].dependencies)))
+                    break
+            else:
+                stack.pop()
+                if key not in done:
+                    done.add(key)
+                    out.append(key)
+    return out

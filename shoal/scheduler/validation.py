@@ -1,0 +1,69 @@
+"""The scheduler state's invariants, checked by ``SchedulerState.validate()``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .state import SchedulerState
+
+__all__ = ["validate_state", "STATES"]
+
+STATES = {"released", "waiting", "queued", "processing", "memory", "erred"}
+
+
+def validate_state(state: SchedulerState) -> None:
+    """Check every invariant; raise ``AssertionError`` on the first broken one."""
+    for key, ts in state.tasks.items():
+        assert ts.key == key
+        assert ts.state in STATES, ts
+        if ts.state == "memory":
+            assert ts.who_has, f"{ts} in memory on no worker"
+            assert ts.who_wants or ts.waiters, f"{ts} in memory, but nobody needs it"
+        else:
+            assert not ts.who_has, f"{ts} not in memory but held by {ts.who_has}"
+        if ts.state == "processing":
+            ws = ts.processing_on
+            assert ws is not None and ts in ws.processing, ts
+            assert state.workers.get(ws.address) is ws, ts
+            assert ts.restrictions is None or ws.address in ts.restrictions, ts
+        else:
+            assert ts.processing_on is None, ts
+        if ts.state == "queued":
+            assert ts in state.queued
+            assert all(d.state == "memory" for d in ts.dependencies), ts
+        if ts.state == "waiting":
+            assert ts.waiting_on, f"{ts} waits on nothing"
+            assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
+            assert all(d.state in ("waiting", "queued", "processing") for d in ts.waiting_on), ts
+        else:
+            assert not ts.waiting_on, ts
+        if ts.state in ("released", "erred"):
+            assert ts.who_wants or ts.dependents, f"{ts} is needed by nobody: it should be forgotten"
+        if ts.state == "released":
+            assert not ts.waiters, ts
+        assert ts.waiters == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
+        if ts.state == "erred":
+            assert ts.exception_blame is not None, ts
+        for dep in ts.dependencies:
+            assert ts in dep.dependents
+            assert state.tasks.get(dep.key) is dep, f"{ts} depends on forgotten {dep}"
+        for dts in ts.dependents:
+            assert ts in dts.dependencies
+            assert state.tasks.get(dts.key) is dts, f"{ts} has forgotten dependent {dts}"
+        for ws in ts.who_has:
+            assert ts in ws.has_what and state.workers.get(ws.address) is ws
+    assert len(state.queued) == len(set(state.queued))
+    for ts in state.queued:
+        assert ts.state == "queued" and state.tasks.get(ts.key) is ts
+        # no worker it may run on has room
+        for ws in state.workers.values():
+            if ts.restrictions is None or ws.address in ts.restrictions:
+                assert state._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
+    for ws in state.workers.values():
+        assert len(ws.processing) <= ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
+        for ts in ws.processing:
+            assert ts.processing_on is ws and ts.state == "processing"
+        for ts in ws.has_what:
+            assert ws in ts.who_has
+        assert ws.nbytes == sum(max(ts.nbytes, 0) for ts in ws.has_what), ws
