@@ -30,7 +30,6 @@ from shoal_helpers import (
     LoopThread,
     frame_bytes,
     complete_handshake,
-    handshake_bytes,
     log_waiter,
     message_bytes,
     raw_connect,

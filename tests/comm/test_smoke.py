@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 
-from shoal.comm import connect, listen
 from shoal.protocol import to_serialize
 from shoal.rpc import Server, rpc
 
