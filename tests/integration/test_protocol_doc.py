@@ -41,12 +41,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from foreign_worker import (
+from foreign_wire import (
     SEG_HEADER,
     SHM_DIR,
     SHM_PREFIX,
     Connection,
-    ForeignWorker,
     SegmentGone,
     SegmentPool,
     attach,
@@ -56,6 +55,9 @@ from foreign_worker import (
     shm_path,
     stats,
     value_of,
+)
+from foreign_worker import (
+    ForeignWorker,
 )
 
 # =====================================================================================
