@@ -26,6 +26,9 @@ _DEFAULTS: dict[str, Any] = {
     # i.e. after this many writes within one interval
     "batched-interval": 0.002,
     "batched-burst": 8,
+    # housekeeping messages (releases, free-keys) wait up to this long for a message
+    # that must go now, and ride along with it (no write or wake-up of their own)
+    "batched-lazy-delay": 0.01,
     # connection pool limit (open comms) per pool
     "pool-limit": 512,
     # a task whose arguments are larger than this warns once, suggesting scatter (0: never)

@@ -73,6 +73,8 @@ class Client(DaskCollections):
         self._states: dict[Any, FutureState] = {}
         self._refcount: Counter[Any] = Counter()
         self._outbox: list[dict[str, Any]] = []
+        self._flush_due = False  # a flush of the outbox is scheduled on the loop
+        self._lazy_due = False  # a delayed flush (for releases alone) is scheduled
         self._lock = threading.Lock()
         self._stream: BatchedSend | None = None
         self._comm: Comm | None = None
@@ -80,17 +82,24 @@ class Client(DaskCollections):
         self._pool: ConnectionPool | None = None
         self._callbacks: ThreadPoolExecutor | None = None
         self._loop_thread: LoopThread | None = None
+        self._own_loop = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scatter_rr = itertools.count()
         self._use_shm = False
         if not asynchronous:
-            self._loop_thread = LoopThread(name=f"shoal-{self.id}")
+            # A client of a cluster running in this process shares the cluster's loop:
+            # client and scheduler then talk on one thread (no wake-ups between them).
+            shared = getattr(address, "_loop_thread", None)
+            if isinstance(shared, LoopThread) and not shared.loop.is_closed():
+                self._loop_thread = shared
+            else:
+                self._loop_thread = LoopThread(name=f"shoal-{self.id}")
+                self._own_loop = True
             self.loop = self._loop_thread.loop
             try:
                 self._loop_thread.run(self._start(), timeout=timeout + 30)
             except BaseException:
-                self._loop_thread.run(self._close())
-                self._loop_thread.stop()
+                self._stop_loop(self._close())
                 raise
 
     # -- lifecycle
@@ -157,13 +166,28 @@ class Client(DaskCollections):
         if self._loop_thread is None:
             return None
         try:
-            self._loop_thread.run(self._close(), timeout=timeout or self.timeout + 30)
+            self._stop_loop(self._close(), timeout=timeout or self.timeout + 30)
         finally:
-            self._loop_thread.stop()
-            self._loop_thread = None
             if self._callbacks is not None:
                 self._callbacks.shutdown(wait=False)
         return None
+
+    def _stop_loop(self, closing: Any, timeout: float | None = None) -> None:
+        """Run ``closing`` (the _close() coroutine) on this client's loop, then stop the
+        loop if this client owns it. A shared loop whose cluster closed first is gone:
+        the client then just marks its futures cancelled."""
+        thread, self._loop_thread = self._loop_thread, None
+        assert thread is not None
+        try:
+            if thread.loop.is_closed():
+                closing.close()
+                self._mark_closed()
+                self.status = "closed"
+            else:
+                thread.run(closing, timeout=timeout)
+        finally:
+            if self._own_loop:
+                thread.stop()
 
     async def _close(self) -> None:
         if self.status in ("closing", "closed"):
@@ -184,12 +208,15 @@ class Client(DaskCollections):
                 pass
         if self._pool is not None:
             await self._pool.close()
-        for st in list(self._states.values()):
-            if st.status not in ("finished", "error", "cancelled"):
-                st.cancel("the client was closed")
+        self._mark_closed()
         if self._own_cluster and self.cluster is not None:
             await self.cluster._close()
         self.status = "closed"
+
+    def _mark_closed(self) -> None:
+        for st in list(self._states.values()):
+            if st.status not in ("finished", "error", "cancelled"):
+                st.cancel("the client was closed")
 
     def __del__(self) -> None:
         if getattr(self, "status", "closed") == "running" and not self.asynchronous:
@@ -270,32 +297,50 @@ class Client(DaskCollections):
             del self._refcount[key]
             self._states.pop(key, None)
         if self.status == "running":
-            self._enqueue({"op": "release-keys", "keys": [key]})
+            self._enqueue({"op": "release-keys", "keys": [key]}, lazy=True)
 
-    def _enqueue(self, msg: dict[str, Any]) -> None:
+    def _enqueue(self, msg: dict[str, Any], lazy: bool = False) -> None:
         """Queue a message for the scheduler from any thread, keeping the order in
-        which they were made; consecutive releases merge into one message."""
+        which they were made; consecutive releases merge into one message. A lazy
+        message (a release) wakes no one: it goes with the next message that must go,
+        or after the ``batched-lazy-delay``."""
         with self._lock:
-            first = not self._outbox
             last = self._outbox[-1] if self._outbox else None
             if last is not None and last["op"] == "release-keys" and msg["op"] == "release-keys":
                 last["keys"].extend(msg["keys"])
             else:
                 self._outbox.append(msg)
-        if first:
+            flush = arm = False
+            if not lazy and not self._flush_due:
+                flush = self._flush_due = True
+            elif lazy and not self._flush_due and not self._lazy_due:
+                arm = self._lazy_due = True
+        if flush:
             self._call_soon(self._flush_outbox)
+        elif arm:
+            self._call_soon(self._arm_lazy_flush)
+
+    def _arm_lazy_flush(self) -> None:
+        assert self.loop is not None
+        self.loop.call_later(config.get("batched-lazy-delay"), self._lazy_flush)
+
+    def _lazy_flush(self) -> None:
+        with self._lock:
+            self._lazy_due = False
+        self._flush_outbox()
 
     def _flush_outbox(self) -> None:
         with self._lock:
             msgs, self._outbox = self._outbox, []
-        for msg in msgs:
-            self._send(msg)
+            self._flush_due = False
+        if msgs:
+            self._send(*msgs)
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, *msgs: dict[str, Any]) -> None:
         if self._stream is None:
             return
         try:
-            self._stream.send(msg)
+            self._stream.send(*msgs)
         except CommError:
             pass
 

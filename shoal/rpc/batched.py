@@ -25,12 +25,19 @@ class BatchedSend:
     the event loop, together with whatever else was sent in the same turn. Under load,
     messages are coalesced over the interval, so a busy stream pays a few writes per
     interval, not one per message, and a quiet one adds no delay.
+    ``send(msg, lazy=True)`` is for housekeeping that no one waits on (releases): it
+    waits up to ``lazy_delay`` (the ``batched-lazy-delay`` setting, 10 ms) and goes out
+    with the next message that must go now, in the order sent, costing no write or
+    wake-up of its own.
     The reader receives lists. ``close()`` flushes what is pending, then closes the comm.
     """
 
-    def __init__(self, interval: float | None = None, name: str = "", burst: int | None = None):
+    def __init__(self, interval: float | None = None, name: str = "", burst: int | None = None,
+                 lazy_delay: float | None = None):
         self.interval = config.get("batched-interval") if interval is None else interval
         self.burst = config.get("batched-burst") if burst is None else burst
+        self.lazy_delay = config.get("batched-lazy-delay") if lazy_delay is None else lazy_delay
+        self._lazy_timer: asyncio.TimerHandle | None = None
         self.name = name
         self.comm: Comm | None = None
         self.buffer: list[Any] = []
@@ -52,15 +59,33 @@ class BatchedSend:
         if self.buffer:
             self._wake.set()
 
-    def send(self, *msgs: Any) -> None:
-        """Queue messages; raises :class:`~shoal.errors.CommClosedError` once closed."""
+    def send(self, *msgs: Any, lazy: bool = False) -> None:
+        """Queue messages (call on the stream's loop); raises
+        :class:`~shoal.errors.CommClosedError` once closed."""
         if self._closing or (self.comm is not None and self.comm.closed()):
             raise CommClosedError(f"batched stream {self.name} is closed")
-        if not self.buffer and self._idle and self._write_now(list(msgs)):
+        if lazy:
+            self.buffer.extend(msgs)
+            if self._lazy_timer is None and self._loop is not None:
+                self._lazy_timer = self._loop.call_later(self.lazy_delay, self._lazy_due)
+            return
+        if self._idle and self._write_now(self.buffer + list(msgs) if self.buffer else list(msgs)):
+            self.buffer = []
+            self._cancel_lazy()
             return
         self.buffer.extend(msgs)
         if self._wake is not None:
             self._wake.set()
+
+    def _lazy_due(self) -> None:
+        self._lazy_timer = None
+        if self.buffer and self._wake is not None:
+            self._wake.set()
+
+    def _cancel_lazy(self) -> None:
+        if self._lazy_timer is not None:
+            self._lazy_timer.cancel()
+            self._lazy_timer = None
 
     def _write_now(self, batch: list[Any]) -> bool:
         """A quiet stream hands a batch to the comm at once, without waiting for the
@@ -96,7 +121,8 @@ class BatchedSend:
         recent = self._recent
         try:
             while True:
-                self._idle = not self.buffer
+                # parked: a send() may write at once, taking what is buffered with it
+                self._idle = True
                 await self._wake.wait()
                 self._idle = False
                 now = loop.time()
@@ -111,6 +137,7 @@ class BatchedSend:
                         return
                     continue
                 batch, self.buffer = self.buffer, []
+                self._cancel_lazy()
                 self.message_count += len(batch)
                 self.batch_count += 1
                 recent.append(loop.time())
@@ -133,6 +160,7 @@ class BatchedSend:
         if self._closing:
             return
         self._closing = True
+        self._cancel_lazy()
         if self._wake is not None:
             self._wake.set()
         if self._task is not None:
@@ -146,6 +174,7 @@ class BatchedSend:
     def abort(self) -> None:
         """Stop at once, dropping pending messages."""
         self._closing = True
+        self._cancel_lazy()
         if self._task is not None:
             self._task.cancel()
         if self.comm is not None:

@@ -290,10 +290,11 @@ class Scheduler:
                 free.setdefault(inst.worker, []).extend(inst.keys)
                 continue
             if isinstance(inst, ComputeTask) and inst.worker in free:
-                self._send_worker(inst.worker, {"op": "free-keys", "keys": free.pop(inst.worker)})
+                self._send_worker(inst.worker, {"op": "free-keys", "keys": free.pop(inst.worker)}, lazy=True)
             self._do(inst)
         for worker, keys in free.items():
-            self._send_worker(worker, {"op": "free-keys", "keys": keys})
+            # releases need no write of their own: they go with the next task or soon after
+            self._send_worker(worker, {"op": "free-keys", "keys": keys}, lazy=True)
 
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, ComputeTask):
@@ -307,7 +308,7 @@ class Scheduler:
                 msg["report"] = True
             self._send_worker(inst.worker, msg)
         elif isinstance(inst, FreeKeys):
-            self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys})
+            self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys}, lazy=True)
         elif isinstance(inst, ClientMsg):
             stream = self.client_streams.get(inst.client)
             if stream is not None:
@@ -316,12 +317,12 @@ class Scheduler:
                 except CommError:
                     pass
 
-    def _send_worker(self, address: str, msg: dict[str, Any]) -> None:
+    def _send_worker(self, address: str, msg: dict[str, Any], lazy: bool = False) -> None:
         stream = self.worker_streams.get(address)
         if stream is None:
             return
         try:
-            stream.send(msg)
+            stream.send(msg, lazy=lazy)
         except CommError:
             pass  # its stream handler will remove the worker
 

@@ -640,6 +640,33 @@ async def test_batched_send_coalesces_messages_sent_over_time(address):
         await stream.close()
 
 
+async def test_batched_send_lazy_messages_ride_with_the_next_urgent_one(address):
+    async with comm_pair(address) as (client, server):
+        # a lazy delay far longer than the test: only an urgent message can send them
+        stream = BatchedSend(interval=0.01, name="lazy", lazy_delay=3600)
+        stream.start(client)
+        await asyncio.sleep(0)  # the stream parks, idle
+        stream.send({"release": 1}, lazy=True)
+        stream.send({"release": 2}, lazy=True)
+        assert stream.batch_count == 0  # nothing written for housekeeping alone
+        stream.send({"task": 3})
+        assert await asyncio.wait_for(server.read(), 10) == [{"release": 1}, {"release": 2}, {"task": 3}]
+        assert stream.batch_count == 1
+        # lazy messages pending at close() are flushed too
+        stream.send({"release": 4}, lazy=True)
+        await stream.close()
+        assert await asyncio.wait_for(server.read(), 10) == [{"release": 4}]
+
+
+async def test_batched_send_lazy_messages_alone_go_after_the_delay(address):
+    async with comm_pair(address) as (client, server):
+        stream = BatchedSend(interval=0.01, name="lazy", lazy_delay=0.001)
+        stream.start(client)
+        stream.send({"release": 1}, lazy=True)
+        assert await asyncio.wait_for(server.read(), 10) == [{"release": 1}]
+        await stream.close()
+
+
 async def test_batched_send_with_an_unserializable_message(address, caplog):
     lock = threading.Lock()
     async with comm_pair(address) as (client, server):

@@ -49,3 +49,20 @@ async def test_asynchronous_client():
         futures = c.map(lambda x: x + 1, range(5))
         assert await c.gather(futures) == [1, 2, 3, 4, 5]
         assert (await c.scheduler_info())["workers"]
+
+
+def test_clients_share_the_loop_of_a_cluster_in_this_process():
+    gate = threading.Event()
+    with shoal.LocalCluster(n_workers=1, processes=False) as cluster:
+        first = shoal.Client(cluster)
+        second = shoal.Client(cluster)
+        # client and scheduler on one thread: no wake-ups between them
+        assert first.loop is second.loop is cluster._loop_thread.loop
+        assert first.submit(lambda: 1).result(timeout=10) == 1
+        first.close()  # closing one client leaves the shared loop running
+        assert second.submit(lambda: 2).result(timeout=10) == 2
+        pending = second.submit(gate.wait, 30, pure=False)
+    # the cluster closed first (and its loop with it): closing the client still returns
+    second.close()
+    assert pending.status == "cancelled"
+    gate.set()
