@@ -18,6 +18,7 @@ names: one creates a probe segment and the other opens it (:func:`probe`,
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
 import fcntl
 import itertools
@@ -58,6 +59,10 @@ _ALIGN = 64
 #: of its contents (a segment may be reused, under a new name and a new token)
 _MAGIC = b"SHOALSEG"
 _HEADER = 64
+#: where a value's buffers start in its segment (room for the header and the pickle
+#: stream of an ordinary value before them), so that one segment size fits a value
+#: copied in and an array born in the segment alike, and either can reuse the other's
+_DATA_OFFSET = 4096
 _counter = itertools.count()
 _lock = threading.Lock()
 _owned: set[str] = set()
@@ -119,6 +124,7 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     new one is made. Raises :class:`ShmUnavailable` when shared memory cannot take it
     (e.g. ``/dev/shm`` is full); nothing is left behind then.
     """
+    _work_off_freed()
     buffers: list[pickle.PickleBuffer] = []
     try:
         data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
@@ -128,8 +134,13 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     big = sum(r.nbytes for r in raws)
     if big < min_buffer_bytes:
         return None
+    born = _publish_born(data, raws)
+    if born is not None:
+        placements["born"] += 1
+        return born, attach(born.info)
+    placements["copied"] += 1
     layout: list[list[int]] = []
-    pos = _align(_HEADER + len(data))
+    pos = max(_DATA_OFFSET, _align(_HEADER + len(data)))
     for r in raws:
         layout.append([pos, r.nbytes])
         pos = _align(pos + r.nbytes)
@@ -140,26 +151,32 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     return seg, attach(info)
 
 
-def _fill_segment(need: int, pieces: list[tuple[int, memoryview]]) -> tuple[str, int, str]:
+def _fill_segment(need: int, pieces: list[tuple[int, memoryview]], keep: bool = True) -> tuple[str, int, str]:
     """A segment (reused or new) of at least ``need`` bytes with a fresh header and
-    each ``(offset, buffer)`` copied in; returns ``(name, size, token)``. Raises
-    :class:`ShmUnavailable`; nothing is left behind on failure."""
-    name, fd, size = _writable_segment(need)
+    each ``(offset, buffer)`` copied in; returns ``(name, size, token)``. With ``keep``
+    the owner's writable mapping is kept for the segment's reuse (no page faults then).
+    Raises :class:`ShmUnavailable`; nothing is left behind on failure."""
+    name, fd, size, writer = _writable_segment(need)
     token = secrets.token_hex(8)
     try:
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as m:
-            view = memoryview(m)
-            try:
-                view[:_HEADER] = _header(token)
-                for offset, buf in pieces:
-                    _copy_into(view[offset : offset + buf.nbytes], buf)
-            finally:
-                view.release()
+        view = memoryview(writer)
+        try:
+            view[:_HEADER] = _header(token)
+            for offset, buf in pieces:
+                _copy_into(view[offset : offset + buf.nbytes], buf)
+        finally:
+            view.release()
     except BaseException:
         os.close(fd)
+        writer.close()
         unlink(name)
         raise
     os.close(fd)  # releases the exclusive lock: readers may map it now
+    if keep:
+        with _lock:
+            _writers[name] = writer
+    else:
+        writer.close()
     return name, size, token
 
 
@@ -167,9 +184,10 @@ def _header(token: str) -> bytes:
     return (_MAGIC + token.encode()).ljust(_HEADER, b"\0")
 
 
-def _writable_segment(need: int) -> tuple[str, int, int]:
-    """``(name, fd, size)`` of a segment of at least ``need`` bytes that nobody maps,
-    opened for writing and locked exclusively: a reused one, or a new one."""
+def _writable_segment(need: int) -> tuple[str, int, int, mmap.mmap]:
+    """``(name, fd, size, writer)`` of a segment of at least ``need`` bytes that nobody
+    maps, opened for writing and locked exclusively, with the owner's shared mapping of
+    it (pages faulted in): a reused one, or a new one."""
     reused = _reuse(need)
     if reused is not None:
         return reused
@@ -196,7 +214,25 @@ def _writable_segment(need: int) -> tuple[str, int, int]:
             ) from exc
         raise ShmUnavailable(f"cannot set up segment {name} of {size:,} bytes: {exc}; "
                              "the value travels over tcp instead") from exc
-    return name, fd, size
+    try:
+        writer = _writer(name, size)
+    except OSError as exc:
+        os.close(fd)
+        unlink(name)
+        raise ShmUnavailable(f"cannot map segment {name}: {exc}") from exc
+    return name, fd, size, writer
+
+
+def _writer(name: str, size: int) -> mmap.mmap:
+    """The owner's shared mapping of a segment. Made through a descriptor of its own:
+    mmap keeps a duplicate of the descriptor it is given, and a duplicate of the
+    locked one would hold the exclusive lock for as long as the mapping lives."""
+    fd = os.open(_path(name), os.O_RDWR)
+    try:
+        # MAP_POPULATE maps every page in one call: far cheaper here than a fault per page
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------- reuse of retired segments
@@ -209,6 +245,9 @@ def _writable_segment(need: int) -> tuple[str, int, int]:
 # token once it has its lock, and gives up on a mismatch).
 
 _pool: list[tuple[int, str]] = []  # (size, name) of retired segments
+#: the owner's shared mappings of its segments (value and pooled), kept so that reusing
+#: a segment costs no page faults; closed when the segment is unlinked
+_writers: dict[str, mmap.mmap] = {}
 #: bytes of retired segments kept for reuse (a worker's first large values pay for
 #: fresh pages; later ones of similar sizes are copied into pages already there)
 pool_limit = 1 << 30
@@ -218,8 +257,10 @@ def retire(name: str, size: int) -> None:
     """The owner no longer needs segment ``name``: its name goes at once (nobody can
     map the released value any more), and its memory is kept for reuse under a pool
     name, or freed when the pool is full."""
+    _work_off_freed()  # an array born in it may have been freed meanwhile
     with _lock:
-        keep = sum(s for s, _ in _pool) + size <= pool_limit and name in _owned
+        keep = (sum(s for s, _ in _pool) + size <= pool_limit and name in _owned
+                and name not in _born_names)  # an array still lives in it: not reusable yet
     if keep:
         pooled = _new_name("pool")
         try:
@@ -231,11 +272,13 @@ def retire(name: str, size: int) -> None:
                 _owned.discard(name)
                 _owned.add(pooled)
                 _pool.append((size, pooled))
+                if name in _writers:
+                    _writers[pooled] = _writers.pop(name)
             return
     unlink(name)
 
 
-def _reuse(need: int) -> tuple[str, int, int] | None:
+def _reuse(need: int) -> tuple[str, int, int, mmap.mmap] | None:
     with _lock:
         candidates = sorted(e for e in _pool if need <= e[0] <= max(2 * need, need + (1 << 20)))
         for entry in candidates:
@@ -265,7 +308,15 @@ def _reuse(need: int) -> tuple[str, int, int] | None:
             _owned.discard(old)
             _owned.add(new)
             _pool.extend(candidates[i + 1 :])
-        return new, fd, size
+            writer = _writers.pop(old, None)
+        if writer is None or writer.closed:
+            try:
+                writer = _writer(new, size)
+            except OSError:
+                os.close(fd)
+                unlink(new)
+                continue
+        return new, fd, size, writer
     return None
 
 
@@ -276,6 +327,134 @@ def drain_pool() -> None:
         _pool.clear()
     for name in names:
         unlink(name)
+
+
+# ----------------------------------------------- arrays born in shared memory
+#
+# In a worker's task threads numpy may allocate large arrays straight from the pool of
+# retired segments (``shoal._shmalloc``, a numpy memory handler): the array's data starts
+# at ``_DATA_OFFSET`` of a segment whose pages are already there, so making it costs no
+# page faults, and if the task returns it, publishing it is writing the header and the
+# pickle stream in front of it: no copy. While its array is alive the segment is held
+# exclusively (readers cannot map a value that is still being written) and kept out
+# of the pool. numpy frees it from any thread, even inside the garbage collector: the
+# release only queues the address, and the queue is worked off by later calls here.
+
+
+class _Born:
+    __slots__ = ("name", "size", "fd", "anchor", "base", "published")
+
+    def __init__(self, name: str, size: int, fd: int, anchor: Any, base: int):
+        self.name, self.size, self.fd, self.anchor, self.base = name, size, fd, anchor, base
+        self.published = False
+
+
+_born: dict[int, _Born] = {}  # data address -> its segment
+#: values this process placed: published where they were born, or copied in
+placements = {"born": 0, "copied": 0}
+_born_names: set[str] = set()
+_freed: collections.deque[int] = collections.deque()
+_allocator_on = False
+
+
+def provide_array_memory(nbytes: int) -> int | None:
+    """Called by numpy (through ``shoal._shmalloc``) for a large allocation in a task
+    thread: the address of ``nbytes`` in a pooled segment, or ``None`` (numpy then
+    allocates as usual) when no retired segment fits."""
+    _work_off_freed()
+    with _lock:
+        if not _pool:
+            return None
+    got = _reuse(_DATA_OFFSET + nbytes)
+    if got is None:
+        return None
+    name, fd, size, writer = got
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(writer)  # the mapping cannot close while held
+    base = ctypes.addressof(anchor)
+    with _lock:
+        _writers[name] = writer
+        _born[base + _DATA_OFFSET] = _Born(name, size, fd, anchor, base)
+        _born_names.add(name)
+    return base + _DATA_OFFSET
+
+
+def release_array_memory(address: int) -> None:
+    """numpy freed an array born in a segment; it may be in the garbage collector:
+    only queue it."""
+    _freed.append(address)
+
+
+def _work_off_freed() -> None:
+    while _freed:
+        try:
+            address = _freed.popleft()
+        except IndexError:
+            return
+        with _lock:
+            b = _born.pop(address, None)
+            if b is None:
+                continue
+            _born_names.discard(b.name)
+            b.anchor = None
+            published, alive = b.published, b.name in _owned
+            writer = None if alive else _writers.pop(b.name, None)
+        if not published:
+            os.close(b.fd)
+            retire(b.name, b.size)  # never shown to anyone: straight back to the pool
+        elif writer is not None:
+            _close_writer(writer)  # its key was released while the array lived
+
+
+def _publish_born(data: bytes, raws: list[memoryview]) -> Segment | None:
+    """If the value is one array born in a segment, publish that segment as the value
+    (header and pickle stream written in front of the data) and return its record."""
+    if len(raws) != 1 or not _born or _HEADER + len(data) > _DATA_OFFSET:
+        return None
+    start = _address(raws[0])
+    if start is None:
+        return None
+    end = start + raws[0].nbytes
+    with _lock:
+        for b in _born.values():
+            if b.base + _DATA_OFFSET <= start and end <= b.base + b.size and not b.published:
+                writer = _writers.get(b.name)
+                break
+        else:
+            return None
+        if writer is None:
+            return None
+        b.published = True
+    token = secrets.token_hex(8)
+    writer[:_HEADER] = _header(token)
+    writer[_HEADER : _HEADER + len(data)] = data
+    os.close(b.fd)  # release the exclusive lock: readers may map it now
+    info: SegmentInfo = [b.name, b.size, len(data), [[start - b.base, end - start]], token]
+    return Segment(b.name, b.size, info)
+
+
+def enable_array_allocator(threshold: int = 1 << 20) -> bool:
+    """Let this process's task threads allocate numpy arrays of at least ``threshold``
+    bytes in pooled segments (call :func:`use_array_allocator` in each). False when the
+    C helper is not built or numpy is missing."""
+    global _allocator_on
+    try:
+        from .. import _shmalloc
+
+        _shmalloc.configure(provide_array_memory, release_array_memory, int(threshold))
+    except Exception:  # ImportError, or a numpy whose handler we do not know
+        return False
+    _allocator_on = True
+    return True
+
+
+def use_array_allocator() -> None:
+    """Large numpy arrays made in the calling thread come from pooled segments."""
+    if _allocator_on:
+        from .. import _shmalloc
+
+        _shmalloc.install()
 
 
 def _copy_into(dst: memoryview, src: memoryview) -> None:
@@ -380,10 +559,20 @@ def unlink(name: str) -> None:
     """Remove a segment's name (mappings stay valid); a missing name is fine."""
     with _lock:
         _owned.discard(name)
+        writer = None if name in _born_names else _writers.pop(name, None)
+    if writer is not None:
+        _close_writer(writer)
     try:
         os.unlink(_path(name))
     except FileNotFoundError:
         pass
+
+
+def _close_writer(writer: mmap.mmap) -> None:
+    try:
+        writer.close()
+    except BufferError:
+        pass  # a view of it is still alive somewhere: it goes with that view
 
 
 @atexit.register
@@ -534,7 +723,8 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
 
 def _segment_for_buffer(raw: memoryview) -> tuple[str, int, str]:
     """A new segment holding a copy of ``raw``; returns (name, size, token)."""
-    return _fill_segment(_align(_HEADER + raw.nbytes), [(_HEADER, raw)])
+    # the receiver unlinks it: the owner keeps no mapping of it
+    return _fill_segment(_align(_HEADER + raw.nbytes), [(_HEADER, raw)], keep=False)
 
 
 def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:

@@ -75,7 +75,8 @@ class Worker:
             name=f"worker {name}",
         )
         self.state: WorkerState | None = None
-        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix=f"shoal-task{('-' + name) if name else ''}")
+        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix=f"shoal-task{('-' + name) if name else ''}",
+                                           initializer=self._task_thread_started)
         self.pool = ConnectionPool(limit=64)
         self.stream: BatchedSend | None = None
         self.scheduler_comm: Comm | None = None
@@ -87,6 +88,7 @@ class Worker:
         self.store = WorkerStore()
         self._shm_warned = False
         self.use_shm = False
+        self._born_in_shm = False
         #: bytes of values this worker sent or received, by how they travelled
         self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
 
@@ -113,11 +115,19 @@ class Worker:
         self.scheduler_comm = comm
         # results go to shared memory when this worker is a process of its own
         self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
+        threshold = config.get("shm-alloc-threshold")
+        self._born_in_shm = self.use_shm and threshold > 0 and shm.enable_array_allocator(threshold)
         self.stream = BatchedSend(name="to-scheduler")
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
         self.status = "running"
         return self
+
+    def _task_thread_started(self) -> None:
+        if self._born_in_shm:
+            # large arrays of tasks come from retired segments: no page faults to make
+            # them, no copy to publish them
+            shm.use_array_allocator()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

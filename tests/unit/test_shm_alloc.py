@@ -1,0 +1,161 @@
+"""Arrays born in shared memory: a task thread's large numpy allocations come from the
+pool of retired segments, and publishing such an array as a value copies nothing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shoal import _shmalloc
+from shoal.comm import shm
+
+MB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def clean_pool():
+    shm.drain_pool()
+    assert shm.enable_array_allocator(MB), "the C helper shoal._shmalloc is not built"
+    yield
+    gc.collect()
+    shm._work_off_freed()
+    shm.drain_pool()
+    assert not shm.segments_of(os.getpid()), "a test left segments in /dev/shm"
+    assert _shmalloc.live() == 0
+
+
+def in_task_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a thread using the allocator, as a worker's task thread does."""
+    out: dict[str, Any] = {}
+
+    def main() -> None:
+        shm.use_array_allocator()
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            out["error"] = exc
+
+    t = threading.Thread(target=main)
+    t.start()
+    t.join(30)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def pooled_segment(nbytes: int) -> None:
+    """Leave one retired segment that fits an array of ``nbytes`` in the pool."""
+    seg, value = shm.place(np.zeros(nbytes // 8))
+    del value
+    gc.collect()
+    seg.retire()
+    assert len(shm._pool) == 1
+
+
+def data_address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_large_array_is_born_in_a_pooled_segment_and_published_without_a_copy():
+    pooled_segment(8 * MB)
+    ((size, pooled),) = shm._pool
+
+    def task() -> Any:
+        a = np.full(MB, 7.0)  # 8 MB: takes the pooled segment
+        assert len(shm._born) == 1 and not shm._pool
+        seg, local = shm.place(a)
+        # the value is the born array's segment, its data where numpy wrote it
+        assert seg.size == size and seg.info[3] == [[shm._DATA_OFFSET, 8 * MB]]
+        return seg, local
+
+    seg, local = in_task_thread(task)
+    try:
+        gc.collect()
+        assert np.array_equal(local, np.full(MB, 7.0)) and local.flags.writeable
+        assert np.array_equal(shm.attach(seg.info), local)  # what a same-host peer maps
+    finally:
+        del local
+        gc.collect()
+        seg.retire()
+    # the task's own array is gone and nobody maps the value: the segment is reusable
+    assert [s for s, _ in shm._pool] == [size]
+
+
+def test_small_arrays_and_an_empty_pool_allocate_as_usual():
+    def task() -> Any:
+        small = np.ones(1000)
+        big = np.ones(2 * MB)  # nothing pooled: numpy's own memory
+        assert not shm._born
+        seg, local = shm.place(big)
+        assert seg.info[3][0][0] == shm._DATA_OFFSET  # copied in
+        return small.sum(), seg
+
+    total, seg = in_task_thread(task)
+    assert total == 1000.0
+    seg.unlink()
+
+
+def test_temporaries_go_back_to_the_pool_and_zeroed_memory_is_zero():
+    pooled_segment(4 * MB)
+
+    def task() -> float:
+        a = np.full(MB // 2, 3.0)  # born in the pooled segment (old zeros overwritten)
+        assert len(shm._born) == 1
+        del a
+        z = np.zeros(MB // 2)  # the same memory again, now holding 3.0s: zeroed for us
+        assert len(shm._born) == 1
+        return float(np.abs(z).sum())
+
+    assert in_task_thread(task) == 0.0
+    gc.collect()
+    shm._work_off_freed()
+    assert len(shm._pool) == 1 and not shm._born
+
+
+def test_realloc_of_a_born_array_keeps_its_contents():
+    pooled_segment(2 * MB)
+
+    def task() -> Any:
+        a = np.arange(MB // 8, dtype=np.float64)  # 1 MB, born
+        assert len(shm._born) == 1
+        a.resize(2 * MB // 8, refcheck=False)  # numpy reallocs the data
+        return a
+
+    a = in_task_thread(task)
+    assert np.array_equal(a[: MB // 8], np.arange(MB // 8)) and (a[MB // 8 :] == 0).all()
+    del a
+
+
+def test_a_value_released_while_its_array_lives_is_not_reused_until_the_array_dies():
+    pooled_segment(8 * MB)
+    kept: list[np.ndarray] = []
+
+    def task() -> Any:
+        a = np.full(MB, 2.0)
+        kept.append(a)  # user code keeps the array past the task
+        return shm.place(a)
+
+    seg, local = in_task_thread(task)
+    del local
+    gc.collect()
+    seg.retire()  # the key is released: its name goes at once
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+    assert not shm._pool  # but its memory is still the user's array
+    assert kept[0].sum() == 2.0 * MB
+    kept.clear()
+    gc.collect()
+    shm._work_off_freed()
+    assert not shm._born and seg.name not in shm._writers
+
+
+def test_threads_without_the_allocator_are_untouched():
+    pooled_segment(8 * MB)
+    a = np.full(MB, 1.0)  # the test's own thread did not install it
+    assert not shm._born and len(shm._pool) == 1
+    del a
