@@ -38,6 +38,9 @@ _DEFAULTS: dict[str, Any] = {
     # numpy arrays of at least this many bytes made by a worker's tasks come from its
     # pool of retired segments (no page faults, no copy to publish them); 0: never
     "shm-alloc-threshold": 1 << 20,
+    # tasks a worker hands its thread pool beyond one per thread (their inputs all
+    # here), so a thread goes from one task to the next without the event loop
+    "executor-queue": 1,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

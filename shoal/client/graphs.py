@@ -78,11 +78,27 @@ def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[st
         deps = list(node.dependencies)
         payload = RunSpec(_run_node, (node, {d: Ref(d) for d in deps}))
         tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
+    _order_tasks(tasks, nodes)
     # keys the converter dropped (aliases of themselves) are still wanted
     for k in wanted:
         if k not in nodes and k not in external and k not in dsk:
             raise GraphError(f"key {k!r} does not name a task")
     return tasks, wanted
+
+
+def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Hashable, Any]) -> None:
+    """Sort ``tasks`` into dask's static order (``dask.order``): the scheduler runs
+    ready tasks in submission order, and this one finishes each part of a reduction
+    before starting the next, so intermediates are few and freed early."""
+    try:
+        from dask.order import order
+    except ImportError:
+        return
+    try:
+        rank = order(nodes)
+    except Exception:  # an ordering is an optimization: a graph it cannot rank still runs
+        return
+    tasks.sort(key=lambda t: rank.get(t["key"], 0))
 
 
 def _is_task(v: Any) -> bool:

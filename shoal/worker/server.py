@@ -101,7 +101,8 @@ class Worker:
         self._stopped = self.loop.create_future()
         await self.server.listen(self.listen_address)
         self.store = WorkerStore()
-        self.state = WorkerState(self.address, self.nthreads, data=self.store)
+        self.state = WorkerState(self.address, self.nthreads, data=self.store,
+                                 queued=config.get("executor-queue"))
         comm = await connect(self.scheduler_address, deserialize=False)
         await comm.write({
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
@@ -217,6 +218,14 @@ class Worker:
 
         def work() -> None:
             segment = None
+            if ts.state != "executing":
+                # released while it waited for a thread: report at once, run nothing
+                event: Any = ExecuteFailureEvent(f"task-skipped-{key}", key, None, "", "released before it ran")
+                try:
+                    loop.call_soon_threadsafe(self._apply_result, event, None)
+                except RuntimeError:
+                    pass
+                return
             try:
                 spec = payload
                 if isinstance(spec, Serialize):
@@ -229,7 +238,7 @@ class Worker:
                 value = run(spec, deps)
                 duration = time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                event: Any = ExecuteFailureEvent(
+                event = ExecuteFailureEvent(
                     f"task-erred-{key}", key, _exception_for(exc, destination),
                     "".join(traceback.format_exception(exc)), f"{type(exc).__name__}: {exc}",
                 )

@@ -18,7 +18,10 @@ dependency to fetch from peers. States::
                             that need it go back to the scheduler, ``reschedule``)
 
 The worker runs at most ``nthreads`` tasks at once and takes more from the scheduler
-than it can run, so it fetches the inputs of the next tasks while computing. Fetches go
+than it can run, so it fetches the inputs of the next tasks while computing. Up to
+``queued`` more tasks whose inputs are all here are handed to the thread pool ahead
+(state ``executing``, waiting for a thread): a thread that finishes one task starts the
+next at once, with no round trip through the event loop. Fetches go
 to one peer at a time per peer, batched: every input wanted from that peer goes in one
 request, up to ``gather_bytes``.
 
@@ -202,11 +205,16 @@ class WorkerState:
         gather_bytes: int = 64 << 20,
         max_gathers: int = 4,
         log_size: int = 10_000,
+        queued: int = 0,
     ):
         if nthreads < 1:
             raise ValueError(f"a worker needs at least one thread, got {nthreads}")
+        if queued < 0:
+            raise ValueError(f"queued must be >= 0, got {queued}")
         self.address = address
         self.nthreads = nthreads
+        #: tasks handed to the thread pool at once: one per thread and ``queued`` more
+        self.slots = nthreads + queued
         self.data: MutableMapping[Key, Any] = {} if data is None else data
         self.tasks: dict[Key, WTask] = {}
         self.ready: list[WTask] = []
@@ -516,7 +524,7 @@ class WorkerState:
         ts.waiting_for_data.clear()
 
     def _ensure_computing(self) -> None:
-        while self.ready and len(self.executing) < self.nthreads:
+        while self.ready and len(self.executing) < self.slots:
             ts = heapq.heappop(self.ready)
             if ts.state != "ready" or self.tasks.get(ts.key) is not ts:
                 continue  # released while queued
@@ -609,11 +617,11 @@ class WorkerState:
                 assert self.tasks.get(dts.key) is dts, (ts, dts)
                 assert dts.state in ("waiting", "ready", "executing", "cancelled"), (ts, dts)
         assert set(self.data) <= set(self.tasks)
-        assert len(self.executing) <= self.nthreads
+        assert len(self.executing) <= self.slots
         for ts in self.executing:
             assert self.tasks.get(ts.key) is ts and ts.state in ("executing", "cancelled", "memory"), ts
         if any(ts.state == "ready" and self.tasks.get(ts.key) is ts for ts in self.ready):
-            assert len(self.executing) == self.nthreads, "a thread is idle while tasks are ready"
+            assert len(self.executing) == self.slots, "a thread is idle while tasks are ready"
         for ts in self.fetching:
             assert ts.state == "fetch" and self.tasks.get(ts.key) is ts
         assert len(self.in_flight_workers) <= self.max_gathers

@@ -137,7 +137,7 @@ def test_a_failure_is_reported_and_forgotten(w: Wk) -> None:
 
 
 def test_never_more_than_nthreads_and_ready_tasks_run_by_priority() -> None:
-    w = Wk(nthreads=2)
+    w = Wk(nthreads=2, queued=0)
     out = w(*(w.compute_event(k, priority=(p,)) for k, p in [("a", 3), ("b", 1), ("c", 2), ("d", 0)]))
     assert executes(out) == ["d", "b"]
     assert w.states() == {"a": "ready", "b": "executing", "c": "ready", "d": "executing"}
@@ -145,6 +145,23 @@ def test_never_more_than_nthreads_and_ready_tasks_run_by_priority() -> None:
     assert executes(w.success("c")) == ["a"]
     assert executes(w.success("b")) == []
     assert len(w.state.executing) == 1
+
+
+def test_queued_tasks_wait_for_a_thread_in_the_pool_by_priority() -> None:
+    w = Wk(nthreads=1, queued=1)
+    out = w(*(w.compute_event(k, priority=(p,)) for k, p in [("a", 3), ("b", 1), ("c", 2)]))
+    # one runs, one more waits in the thread pool: the thread goes on without the loop
+    assert executes(out) == ["b", "c"]
+    assert w.states() == {"a": "ready", "b": "executing", "c": "executing"}
+    assert executes(w.success("b")) == ["a"]
+    # released while it waited: it reports (the thread skips it) and is forgotten
+    w.free("c")
+    assert w.states()["c"] == "cancelled"
+    out = w.failure("c", "released before it ran")
+    assert not executes(out) and not ops(out)  # nothing reported to the scheduler
+    assert "c" not in w.states()
+    with pytest.raises(ValueError, match="queued"):
+        WorkerState(ME, queued=-1)
 
 
 def test_a_key_in_memory_is_reported_at_once(w: Wk) -> None:
@@ -500,7 +517,7 @@ class WorkerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25)
+        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25, queued=1)  # as a worker runs it
         #: keys with a running executor thread
         self.threads: set[Any] = set()
         #: outstanding GatherDep requests
@@ -532,7 +549,7 @@ class WorkerMachine(RuleBasedStateMachine):
                     self.wanted[key] = True
                 else:
                     assert op == "missing-data" and inst.msg["errant_worker"] in self.told.get(key, ()), inst.msg
-        assert len(self.threads) <= st_.nthreads
+        assert len(self.threads) <= st_.slots
         assert len(self.requests) <= st_.max_gathers
         return out
 
