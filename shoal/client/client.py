@@ -355,6 +355,7 @@ class Client(DaskCollections):
         except CommError:
             if self.status == "running":
                 logger.warning("lost the connection to the scheduler at %s", self.scheduler_address)
+                self.status = "disconnected"  # later submissions fail at once
                 for st in list(self._states.values()):
                     if st.status not in ("finished", "error", "cancelled"):
                         st.cancel("the connection to the scheduler was lost")
@@ -453,6 +454,8 @@ class Client(DaskCollections):
             )
 
     def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
+        if self.status == "disconnected":
+            raise RuntimeError(f"the client lost its connection to the scheduler at {self.scheduler_address}")
         if self.status != "running":
             raise RuntimeError(f"the client is {self.status}")
         self._enqueue({"op": "update-graph", "tasks": tasks, "wanted": wanted})
@@ -526,6 +529,10 @@ class Client(DaskCollections):
                         except Exception:  # gone, reused, corrupt: ask its worker instead
                             st.shm = None
                 need = [st for st in need if st.key not in values]
+            if need and self.status != "running":
+                # workers leave with their scheduler: nobody is left to serve these
+                raise LostDataError(f"{[st.key for st in need]!r:.200} cannot be fetched: the "
+                                    f"connection to the scheduler at {self.scheduler_address} is gone")
             by_worker: dict[str, list[Any]] = {}
             unknown: list[Any] = []
             for st in need:

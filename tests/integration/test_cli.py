@@ -90,3 +90,38 @@ def test_demo_runs_and_checks_its_results():
     counted = re.findall(r"([\d,]+) of 40,000 within", p.stdout)
     assert len(counted) == 2 and all(39_900 < int(c.replace(",", "")) <= 40_000 for c in counted)
     assert "by reference" in p.stdout and "over tcp" in p.stdout
+
+
+def test_worker_that_loses_its_scheduler_exits_and_releases_shared_memory(processes):
+    import os
+    import signal
+
+    import numpy as np
+
+    from shoal.comm import shm
+
+    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    address = sched.stdout.readline().split()[-1]
+    worker = _start(processes, "worker", address)
+    assert worker.stdout.readline().startswith("shoal worker at ")
+    c = shoal.Client(address)
+    try:
+        x = c.submit(np.full, (4 << 20) // 8, 3.0, pure=False)  # importable by the worker
+        shoal.wait([x], timeout=30)
+        assert x.status == "finished"
+        assert shm.segments_of(worker.pid), "the value should be in a shared-memory segment"
+        os.kill(sched.pid, signal.SIGKILL)  # nobody left who could sweep the worker's segments
+        assert sched.wait(10) == -signal.SIGKILL
+        # the worker notices, closes and exits cleanly on its own, its segments unlinked
+        assert worker.wait(30) == 0
+        assert not shm.segments_of(worker.pid)
+        # the client sees its connection go: a value no one can serve is a clear error,
+        # new work is refused; nothing hangs
+        from shoal.errors import LostDataError
+
+        with pytest.raises(LostDataError, match="connection to the scheduler"):
+            x.result(timeout=30)
+        with pytest.raises(RuntimeError, match="lost its connection"):
+            c.submit(np.full, 8, 1.0, pure=False)
+    finally:
+        c.close(timeout=10)

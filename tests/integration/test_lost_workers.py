@@ -115,3 +115,60 @@ def test_worker_killed_while_a_peer_fetches_from_it(monkeypatch):
         assert y.result(timeout=60) == 16 << 20
     for pid in pids.values():
         assert not shm.segments_of(pid)
+
+
+def cut_the_next_large_write(min_bytes):
+    """Installed on a worker: its next outgoing message of at least ``min_bytes`` stops
+    half-way through a frame and the connection is dropped (once)."""
+    from collections import deque
+
+    from shoal.comm import tcp
+    from shoal.errors import CommBrokenError
+
+    original = tcp.TCPComm._send
+    tcp._cuts = 0
+
+    async def _send(self, views, started=False):
+        views = deque(memoryview(v).cast("B") for v in views)
+        total = sum(v.nbytes for v in views)
+        if total < min_bytes or tcp._cuts:
+            return await original(self, views, started)
+        tcp._cuts += 1
+        half, head = total // 2, deque()
+        for v in views:
+            head.append(v[:half])
+            half -= head[-1].nbytes
+            if half <= 0:
+                break
+        await original(self, head, started)
+        self.abort()
+        raise CommBrokenError("dropped mid-frame by the test")
+
+    tcp.TCPComm._send = _send
+
+
+def cuts_made():
+    from shoal.comm import tcp
+
+    return getattr(tcp, "_cuts", 0)
+
+
+def test_tcp_connection_dropped_mid_frame_during_a_transfer(monkeypatch):
+    import numpy as np
+
+    monkeypatch.setenv("SHOAL_SHM", "0")  # the value crosses over tcp
+    with shoal.LocalCluster(n_workers=2, processes=True) as cluster, shoal.Client(cluster) as c:
+        a_addr, b_addr = cluster.worker_addresses
+        pids = c.run(os.getpid)
+        x = c.submit(lambda: np.arange(4 << 20, dtype=np.float64), workers=[a_addr], pure=False)
+        shoal.wait([x], timeout=30)
+        c.run(cut_the_next_large_write, 8 << 20, workers=[a_addr])
+        y = c.submit(lambda v: float(v.sum()), x, workers=[b_addr])
+        assert y.result(timeout=60) == float(sum(range(4 << 20)))
+        assert c.run(cuts_made, workers=[a_addr])[a_addr] == 1  # the fault did happen
+        # both workers are the same processes, and go on working
+        assert c.run(os.getpid) == pids
+        z = c.submit(lambda v: float(v[-1]), x, workers=[b_addr], pure=False)
+        assert z.result(timeout=30) == float((4 << 20) - 1)
+    for pid in pids.values():
+        assert not shm.segments_of(pid) and shm.process_gone(pid)
