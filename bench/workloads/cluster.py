@@ -147,23 +147,13 @@ class Session:
         self.close()
 
 
-class ShoalSession(Session):
-    system = "shoal"
+class FuturesSession(Session):
+    """shoal and dask.distributed: a ``client`` with the same futures API (submit with
+    ``workers=`` and ``pure=``, map, gather, futures with ``result()`` and ``release()``)
+    and a module-level ``wait(futures)`` (``self.module``)."""
 
-    def __init__(self, processes: bool = True):
-        import shoal
-
-        self.shoal = shoal
-        self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1")
-        self.client: Any = None
-        self.workers = []
-        try:
-            self.client = shoal.Client(self.cluster)
-            info = self.client.scheduler_info()["workers"]
-            self.workers = [a for a, _ in sorted(info.items(), key=lambda kv: str(kv[1].get("name")))]
-        except BaseException:
-            self.close()
-            raise
+    client: Any
+    module: Any
 
     def submit(self, fn: Any, *args: Any, worker: str | None = None, pure: bool = True) -> Any:
         return self.client.submit(fn, *args, workers=[worker] if worker else None, pure=pure)
@@ -178,13 +168,32 @@ class ShoalSession(Session):
         return self.client.gather(handles)
 
     def wait(self, handle: Any) -> None:
-        self.shoal.wait([handle])
+        self.module.wait([handle])
         if handle.status != "finished":
             handle.result()  # raise its error
 
     def release(self, handles: Any) -> None:
         for h in handles:
             h.release()
+
+
+class ShoalSession(FuturesSession):
+    system = "shoal"
+
+    def __init__(self, processes: bool = True):
+        import shoal
+
+        self.module = shoal
+        self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1")
+        self.client: Any = None
+        self.workers = []
+        try:
+            self.client = shoal.Client(self.cluster)
+            info = self.client.scheduler_info()["workers"]
+            self.workers = [a for a, _ in sorted(info.items(), key=lambda kv: str(kv[1].get("name")))]
+        except BaseException:
+            self.close()
+            raise
 
     def extra_info(self) -> dict[str, Any]:
         stats = self.client.transfer_stats()
@@ -199,14 +208,14 @@ class ShoalSession(Session):
             self.cluster.close()
 
 
-class DaskSession(Session):
+class DaskSession(FuturesSession):
     system = "dask"
 
     def __init__(self, processes: bool = True, saturation: float | None = None):
         import dask
         import distributed
 
-        self.distributed = distributed
+        self.module = distributed
         self.cluster: Any = None
         self.client: Any = None
         self.workers = []
@@ -228,27 +237,6 @@ class DaskSession(Session):
         except BaseException:
             self.close()
             raise
-
-    def submit(self, fn: Any, *args: Any, worker: str | None = None, pure: bool = True) -> Any:
-        return self.client.submit(fn, *args, workers=[worker] if worker else None, pure=pure)
-
-    def map(self, fn: Any, *iterables: Any) -> Any:
-        return self.client.map(fn, *iterables)
-
-    def result(self, handle: Any) -> Any:
-        return handle.result()
-
-    def gather(self, handles: Any) -> Any:
-        return self.client.gather(handles)
-
-    def wait(self, handle: Any) -> None:
-        self.distributed.wait([handle])
-        if handle.status != "finished":
-            handle.result()
-
-    def release(self, handles: Any) -> None:
-        for h in handles:
-            h.release()
 
     def extra_info(self) -> dict[str, Any]:
         sat = self.client.run_on_scheduler(
