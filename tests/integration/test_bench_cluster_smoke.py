@@ -64,3 +64,27 @@ def test_cluster_workloads_register_all_systems():
     for name in WORKLOADS:
         expected = ["dask", "shoal"] if name == "tiny_tasks_inprocess" else ["dask", "ray", "shoal"]
         assert systems[name] == expected, (name, systems[name])
+
+
+ARRAY_WORKLOADS = {"matmul": ["seconds", "numpy", "vs_numpy"], "dask_array_mix": ["seconds"]}
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_runs_array_workloads_for_shoal(tmp_path):
+    out_json = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, RUN, "--systems", "shoal", "--workloads", ",".join(ARRAY_WORKLOADS), "--quick",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    results = {r["workload"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert set(results) == set(ARRAY_WORKLOADS)
+    for name, metrics in ARRAY_WORKLOADS.items():
+        run = results[name]["runs"][0]  # each result was checked against numpy / dask in the child
+        assert not results[name]["errors"] and all(m in run["metrics"] for m in metrics), results[name]
+    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); from bench import registry; "
+            "w = registry.load_all(); print(json.dumps(sorted(w['matmul'].systems)))")
+    listed = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, check=True,
+                            timeout=60, cwd=ROOT)
+    assert json.loads(listed.stdout) == ["dask", "shoal"]
