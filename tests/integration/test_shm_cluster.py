@@ -165,6 +165,33 @@ def test_tcp_peers_are_served_while_the_owner_runs_a_task(client, cluster, tmp_p
     assert busy.result(timeout=30) == "done"
 
 
+def test_inputs_of_the_next_task_arrive_while_the_current_one_runs(client, cluster, tmp_path):
+    a_addr, b_addr = cluster.worker_addresses
+    started, gate = tmp_path / "started", tmp_path / "open"
+
+    def hold(started, gate):
+        started.touch()
+        while not gate.exists():  # runs until the test opens the gate
+            time.sleep(0.01)
+        return "held"
+
+    x = client.submit(make, 4 * MB, 5.0, workers=[a_addr], pure=False)
+    shoal.wait([x], timeout=30)
+    before = client.transfer_stats()[b_addr]["shm"]
+    busy = client.submit(hold, started, gate, workers=[b_addr], pure=False)
+    try:
+        wait_for(started.exists, what="the long task to start on b")
+        y = client.submit(total, x, workers=[b_addr])  # sent ahead to the busy worker
+        # b takes x in while its only thread is still busy with the long task
+        wait_for(lambda: client.transfer_stats()[b_addr]["shm"] - before >= 4 * MB,
+                 what="b to take the next task's input in")
+        assert not busy.done() and not y.done()
+    finally:
+        gate.touch()
+    assert busy.result(timeout=30) == "held"
+    assert y.result(timeout=30) == 5.0 * (4 * MB // 8)
+
+
 def test_full_shared_memory_falls_back_to_tcp(client, cluster):
     a_addr, b_addr = cluster.worker_addresses
 
