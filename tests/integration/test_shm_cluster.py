@@ -203,12 +203,19 @@ def test_full_shared_memory_falls_back_to_tcp(client, cluster):
 
         from shoal.comm import shm as worker_shm
 
-        worker_shm.drain_pool()  # no retired segment to reuse: every placement needs new pages
+        # no retired segment to reuse (none kept from now on either, as earlier tests'
+        # values are released): every placement needs new pages
+        os._shoal_test_pool_limit = worker_shm.pool_limit
+        worker_shm.pool_limit = 0
+        worker_shm.drain_pool()
         os._shoal_test_fallocate = os.posix_fallocate
         os.posix_fallocate = full
 
     def restore():
+        from shoal.comm import shm as worker_shm
+
         os.posix_fallocate = os._shoal_test_fallocate
+        worker_shm.pool_limit = os._shoal_test_pool_limit
 
     client.run(fill_up, workers=[a_addr])
     try:
