@@ -28,6 +28,9 @@ __all__ = ["Future", "FutureState", "wait", "as_completed", "DoneAndNotDone"]
 DoneAndNotDone = namedtuple("DoneAndNotDone", ["done", "not_done"])
 
 _FINAL = ("finished", "error", "cancelled")
+#: guards every state's callbacks and thread waiter (short sections: one lock for all
+#: is cheaper than two per future)
+_guard = threading.Lock()
 
 
 class FutureState:
@@ -37,7 +40,7 @@ class FutureState:
     """
 
     __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "value", "has_value",
-                 "_event", "_callbacks", "_lock", "done_event")
+                 "_event", "_callbacks", "_waiter")
 
     def __init__(self, key: Any):
         self.key = key
@@ -52,9 +55,8 @@ class FutureState:
         self.has_value = False
         self._event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-        #: set while the state is final; lets a thread wait without the event loop
-        self.done_event = threading.Event()
+        #: made for the first thread that waits (most futures never have one)
+        self._waiter: threading.Event | None = None
 
     def event(self) -> asyncio.Event:
         if self._event is None:
@@ -63,12 +65,27 @@ class FutureState:
                 self._event.set()
         return self._event
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread (not the loop's) until the state is final; False
+        after ``timeout`` seconds."""
+        with _guard:
+            if self.status in _FINAL:
+                return True
+            if self._waiter is None:
+                self._waiter = threading.Event()
+            waiter = self._waiter
+        return waiter.wait(timeout)
+
     def _done(self) -> None:
-        self.done_event.set()
+        # the status is final already: a thread that saw it otherwise under the guard
+        # has made its waiter, which is set here
+        with _guard:
+            waiter = self._waiter
+            callbacks, self._callbacks = self._callbacks, []
+        if waiter is not None:
+            waiter.set()
         if self._event is not None:
             self._event.set()
-        with self._lock:
-            callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb()
 
@@ -97,12 +114,14 @@ class FutureState:
         self.workers = []
         self.shm = None
         self.value, self.has_value = None, False
-        self.done_event.clear()
+        with _guard:
+            if self._waiter is not None:
+                self._waiter.clear()
         if self._event is not None:
             self._event.clear()
 
     def on_done(self, cb: Callable[[], None]) -> None:
-        with self._lock:
+        with _guard:
             if self.status not in _FINAL:
                 self._callbacks.append(cb)
                 return
@@ -144,7 +163,7 @@ class Future:
         st = self._state
         if not self.client.asynchronous:
             # wait in this thread; a small value that came with its report needs no loop
-            if not st.done_event.wait(timeout):
+            if not st.wait(timeout):
                 raise TimeoutError(f"{self!r} not done within {timeout}s")
             if st.status in ("error", "cancelled") and st.exception is not None:
                 raise st.exception
