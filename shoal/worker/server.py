@@ -23,7 +23,7 @@ from ..comm import Comm, connect
 from ..comm.core import local_info
 from ..errors import CommError
 from .. import config
-from ..comm import shm
+from ..comm import shm, shm_family
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch
 from ..taskspec import RunSpec, run
@@ -325,7 +325,7 @@ class Worker:
         if comm.destination == SAME_PROCESS:
             self.transfers["inproc"] += nbytes
             return
-        mapped = sum(shm.shm_bytes(v) for v in values) if comm.destination == SAME_HOST else 0
+        mapped = sum(shm_family.shm_bytes(v) for v in values) if comm.destination == SAME_HOST else 0
         self.transfers["shm"] += mapped
         self.transfers["tcp"] += max(nbytes - mapped, 0)
 
