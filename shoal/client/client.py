@@ -27,12 +27,13 @@ from typing import Any
 from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm
-from ..errors import CommError, GraphError, KilledWorker, LostDataError, RemoteError
+from ..errors import CommError, LostDataError
 from ..protocol import sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
-from ..taskspec import Ref, RunSpec, key_name, tokenize, unique_token, validate_key
+from ..taskspec import RunSpec, key_name, tokenize, unique_token, validate_key
 from .collections import DaskCollections
 from .future import Future, FutureState, _unwrap
+from .structure import collect_futures, rebuild, rebuild_exception, replace_futures, worker_restrictions
 
 __all__ = ["Client"]
 
@@ -368,7 +369,7 @@ class Client(DaskCollections):
         if op == "key-in-memory":
             st.finish(msg.get("workers") or [], msg.get("shm"), msg.get("value"), "value" in msg)
         elif op == "task-erred":
-            st.set_error(_rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
+            st.set_error(rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
         elif op == "cancelled-key":
             st.cancel()
         elif op == "lost-key":
@@ -389,7 +390,7 @@ class Client(DaskCollections):
         if key is None:
             key = f"{key_name(fn)}-{tokenize(fn, args, kwargs) if pure else unique_token()}"
         validate_key(key)
-        restrictions = _restrictions(workers)
+        restrictions = worker_restrictions(workers)
         task = self._make_task(key, fn, args, kwargs, restrictions, retries)
         future = Future(key, self)
         self._submit_tasks([task], [key])
@@ -415,7 +416,7 @@ class Client(DaskCollections):
                 keys = [f"{prefix}-{tokenize(base, args)}" for args in arg_tuples]
             else:
                 keys = [f"{prefix}-{unique_token()}" for _ in arg_tuples]
-        restrictions = _restrictions(workers)
+        restrictions = worker_restrictions(workers)
         tasks = []
         futures = []
         for k, args in zip(keys, arg_tuples):
@@ -428,8 +429,8 @@ class Client(DaskCollections):
     def _make_task(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                    restrictions: list[str] | None, retries: int) -> dict[str, Any]:
         deps: set[Any] = set()
-        args2 = _replace_futures(args, deps, self)
-        kwargs2 = _replace_futures(kwargs, deps, self)
+        args2 = replace_futures(args, deps, self)
+        kwargs2 = replace_futures(kwargs, deps, self)
         self._check_payload_size(fn, args, kwargs)
         return {
             "key": key,
@@ -495,10 +496,10 @@ class Client(DaskCollections):
 
     async def _gather_structure(self, futures: Any, errors: str = "raise") -> Any:
         flat: list[Future] = []
-        _collect_futures(futures, flat)
+        collect_futures(futures, flat)
         values = await self._gather_async(flat, errors=errors)
         by_key = {f.key: v for f, v in zip(flat, values)}
-        return _rebuild(futures, by_key)
+        return rebuild(futures, by_key)
 
     async def _gather_async(self, futures: list[Future], timeout: float | None = None, errors: str = "raise") -> list[Any]:
         states = [f._state for f in futures]
@@ -603,7 +604,7 @@ class Client(DaskCollections):
             items = [(f"{type(data).__name__}-{tokenize(data)}", data)]
         info = await self._scheduler_rpc().scheduler_info()
         targets = sorted(info["workers"])
-        allowed = _restrictions(workers)
+        allowed = worker_restrictions(workers)
         if allowed is not None:
             unknown = [w for w in allowed if w not in info["workers"]]
             if unknown:
@@ -636,7 +637,7 @@ class Client(DaskCollections):
     def cancel(self, futures: Any) -> Any:
         """Cancel these futures' tasks (and this client's tasks that depend on them)."""
         flat: list[Future] = []
-        _collect_futures(futures, flat)
+        collect_futures(futures, flat)
         return self._sync(self._cancel, flat)
 
     async def _cancel(self, futures: list[Future]) -> None:
@@ -657,7 +658,7 @@ class Client(DaskCollections):
 
     async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], workers: Any) -> dict[str, Any]:
         info = await self._scheduler_rpc().scheduler_info()
-        targets = _restrictions(workers) or sorted(info["workers"])
+        targets = worker_restrictions(workers) or sorted(info["workers"])
         assert self._pool is not None
         results = await asyncio.gather(*(
             PooledRPC(self._pool, w).run(function=to_serialize(fn), args=to_serialize(args), kwargs=to_serialize(kwargs))
@@ -682,7 +683,7 @@ class Client(DaskCollections):
         keys = None
         if futures is not None:
             flat: list[Future] = []
-            _collect_futures(futures, flat)
+            collect_futures(futures, flat)
             keys = [f.key for f in flat]
         return self._sync(self._who_has, keys)
 
@@ -702,89 +703,3 @@ class Client(DaskCollections):
 
     async def _counters(self) -> dict[str, Any]:
         return await self._scheduler_rpc().counters()
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _restrictions(workers: Any) -> list[str] | None:
-    if workers is None:
-        return None
-    if isinstance(workers, str):
-        return [workers]
-    out = list(workers)
-    if not all(isinstance(w, str) for w in out):
-        raise TypeError(f"workers= takes worker addresses (strings), got {workers!r}")
-    return out
-
-
-def _replace_futures(obj: Any, deps: set[Any], client: Client) -> Any:
-    typ = type(obj)
-    if typ is Future:
-        if obj.client is not client:
-            raise ValueError(f"{obj!r} belongs to another client")
-        deps.add(obj.key)
-        return Ref(obj.key)
-    if typ is list:
-        return [_replace_futures(v, deps, client) for v in obj]
-    if typ is tuple:
-        return tuple(_replace_futures(v, deps, client) for v in obj)
-    if typ is dict:
-        return {k: _replace_futures(v, deps, client) for k, v in obj.items()}
-    return obj
-
-
-def _collect_futures(obj: Any, out: list[Future]) -> None:
-    if isinstance(obj, Future):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _collect_futures(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_futures(v, out)
-
-
-def _rebuild(obj: Any, values: dict[Any, Any]) -> Any:
-    if isinstance(obj, Future):
-        return values[obj.key]
-    if isinstance(obj, list):
-        return [_rebuild(v, values) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rebuild(v, values) for v in obj)
-    if isinstance(obj, (set, frozenset)):
-        return type(obj)(_rebuild(v, values) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _rebuild(v, values) for k, v in obj.items()}
-    return obj
-
-
-def _rebuild_exception(msg: dict[str, Any]) -> BaseException:
-    text = str(msg.get("text") or "")
-    kind = msg.get("kind") or ""
-    exc: Any = msg.get("exception")
-    try:
-        exc = _unwrap(exc) if exc is not None else None
-    except Exception as e:  # the exception's class is not importable here
-        exc = RemoteError(f"{text} (and it could not be deserialized here: {e!r})", text.split(":")[0], "")
-    if not isinstance(exc, BaseException):
-        if kind == "KilledWorker":
-            exc = KilledWorker(text.removeprefix("KilledWorker: "))
-        elif kind == "GraphError":
-            exc = GraphError(text.removeprefix("GraphError: "))
-        elif kind == "LostData":
-            exc = LostDataError(text.removeprefix("LostData: "))
-        elif kind == "ValueError":
-            exc = ValueError(text.removeprefix("ValueError: "))
-        elif kind == "KeyError":
-            exc = KeyError(text.removeprefix("KeyError: "))
-        else:
-            exc = RemoteError(text or f"task {msg.get('key')!r} failed", text.split(":")[0], str(msg.get("traceback") or ""))
-    tb = msg.get("traceback")
-    if isinstance(tb, str) and tb and hasattr(exc, "add_note"):
-        note = "traceback on the worker:\n" + tb
-        if note not in getattr(exc, "__notes__", ()):
-            exc.add_note(note)
-    return exc
-
-
