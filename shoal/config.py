@@ -38,6 +38,9 @@ _DEFAULTS: dict[str, Any] = {
     # numpy arrays of at least this many bytes made by a worker's tasks come from its
     # pool of retired segments (no page faults, no copy to publish them); 0: never
     "shm-alloc-threshold": 1 << 20,
+    # a worker keeps the memory of released results for reuse; what no value reused for
+    # this many seconds goes back to the system (0: kept until the worker closes)
+    "shm-pool-idle": 30.0,
     # tasks a worker hands its thread pool beyond one per thread (their inputs all
     # here), so a thread goes from one task to the next without the event loop
     "executor-queue": 1,

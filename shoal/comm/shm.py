@@ -27,6 +27,7 @@ import os
 import pickle
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "locate",
     "retire",
     "drain_pool",
+    "trim_pool",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -245,6 +247,7 @@ def _writer(name: str, size: int) -> mmap.mmap:
 # token once it has its lock, and gives up on a mismatch).
 
 _pool: list[tuple[int, str]] = []  # (size, name) of retired segments
+_retired_at: dict[str, float] = {}  # pool name -> when it was retired (monotonic)
 #: the owner's shared mappings of its segments (value and pooled), kept so that reusing
 #: a segment costs no page faults; closed when the segment is unlinked
 _writers: dict[str, mmap.mmap] = {}
@@ -272,6 +275,7 @@ def retire(name: str, size: int) -> None:
                 _owned.discard(name)
                 _owned.add(pooled)
                 _pool.append((size, pooled))
+                _retired_at[pooled] = time.monotonic()
                 if name in _writers:
                     _writers[pooled] = _writers.pop(name)
             return
@@ -308,6 +312,7 @@ def _reuse(need: int) -> tuple[str, int, int, mmap.mmap] | None:
             _owned.discard(old)
             _owned.add(new)
             _pool.extend(candidates[i + 1 :])
+            _retired_at.pop(old, None)
             writer = _writers.pop(old, None)
         if writer is None or writer.closed:
             try:
@@ -327,6 +332,19 @@ def drain_pool() -> None:
         _pool.clear()
     for name in names:
         unlink(name)
+
+
+def trim_pool(max_idle: float) -> int:
+    """Unlink the retired segments that no value reused for ``max_idle`` seconds, so
+    that an idle worker gives their memory back; returns how many went."""
+    now = time.monotonic()
+    with _lock:
+        stale = [e for e in _pool if now - _retired_at.get(e[1], now) >= max_idle]
+        for e in stale:
+            _pool.remove(e)
+    for _, name in stale:
+        unlink(name)
+    return len(stale)
 
 
 # ----------------------------------------------- arrays born in shared memory
@@ -559,6 +577,7 @@ def unlink(name: str) -> None:
     """Remove a segment's name (mappings stay valid); a missing name is fine."""
     with _lock:
         _owned.discard(name)
+        _retired_at.pop(name, None)
         writer = None if name in _born_names else _writers.pop(name, None)
     if writer is not None:
         _close_writer(writer)

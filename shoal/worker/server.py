@@ -118,11 +118,19 @@ class Worker:
         self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
         threshold = config.get("shm-alloc-threshold")
         self._born_in_shm = self.use_shm and threshold > 0 and shm.enable_array_allocator(threshold)
+        if self.use_shm and config.get("shm-pool-idle") > 0:
+            self._spawn(self._trim_pool(config.get("shm-pool-idle")))
         self.stream = BatchedSend(name="to-scheduler")
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
         self.status = "running"
         return self
+
+    async def _trim_pool(self, idle: float) -> None:
+        """Give back the memory of retired segments that sat unused for ``idle`` seconds."""
+        while True:
+            await asyncio.sleep(idle / 2)
+            shm.trim_pool(idle)
 
     def _task_thread_started(self) -> None:
         if self._born_in_shm:

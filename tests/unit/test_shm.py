@@ -139,6 +139,29 @@ def test_retired_segments_are_reused_only_when_nobody_maps_them():
     shm.drain_pool()
 
 
+def test_retired_segments_nobody_reuses_are_given_back():
+    import gc
+
+    shm.drain_pool()
+    a = np.arange(1 << 18, dtype=np.float64)
+    old_seg, v1 = shm.place(a)
+    new_seg, v2 = shm.place(a * 2)
+    del v1, v2
+    gc.collect()
+    old_seg.retire()
+    new_seg.retire()
+    assert len(shm._pool) == 2
+    (_, old_name), (_, new_name) = shm._pool
+    shm._retired_at[old_name] -= 100  # as if retired 100 s ago
+    assert shm.trim_pool(30.0) == 1
+    assert [n for _, n in shm._pool] == [new_name]
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, old_name))
+    assert old_name not in shm._writers and old_name not in shm._retired_at
+    assert shm.trim_pool(30.0) == 0  # the recent one stays for reuse
+    shm.drain_pool()
+    assert not shm._retired_at
+
+
 def test_a_reader_with_a_stale_token_is_refused():
     a = np.arange(1 << 17, dtype=np.float64)
     seg, _ = shm.place(a)
