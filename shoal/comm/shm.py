@@ -599,6 +599,24 @@ def _unlink_at_exit() -> None:
     unlink_all()
 
 
+def _forget_parent_segments() -> None:
+    """In a child made by ``fork`` (a task using multiprocessing, say): the parent's
+    segments, pool and arrays are the parent's. The child must not reuse, unlink or
+    publish them (its exit would otherwise remove the parent's values)."""
+    global _lock
+    _lock = threading.Lock()  # it may have been held by another thread at the fork
+    _owned.clear()
+    _pool.clear()
+    _retired_at.clear()
+    _writers.clear()
+    _born.clear()
+    _born_names.clear()
+    _freed.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_segments)
+
+
 def owned() -> set[str]:
     """Names of the segments this process created and has not unlinked."""
     with _lock:

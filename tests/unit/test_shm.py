@@ -162,6 +162,31 @@ def test_retired_segments_nobody_reuses_are_given_back():
     assert not shm._retired_at
 
 
+def test_a_forked_child_leaves_the_parents_segments_alone():
+    import gc
+
+    shm.drain_pool()
+    seg, value = shm.place(np.arange(1 << 17, dtype=np.float64))
+    pooled, v2 = shm.place(np.arange(1 << 17, dtype=np.float64) * 2)
+    del v2
+    gc.collect()
+    pooled.retire()
+    pid = os.fork()
+    if pid == 0:  # the child: owns nothing, reuses nothing, removes nothing at exit
+        try:
+            ok = not shm.owned() and not shm._pool and shm.place(np.ones(1 << 17)) is not None
+            shm.unlink_all()
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name)) and len(shm._pool) == 1
+    assert not shm.segments_of(pid)
+    seg.unlink()
+    shm.drain_pool()
+
+
 def test_a_reader_with_a_stale_token_is_refused():
     a = np.arange(1 << 17, dtype=np.float64)
     seg, _ = shm.place(a)
