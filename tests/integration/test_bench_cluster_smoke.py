@@ -26,24 +26,43 @@ WORKLOADS = {
 }
 
 
-@pytest.mark.timeout(300)
-def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
+def _run_quick(workloads: dict[str, list[str]], tmp_path) -> tuple[str, dict[str, dict]]:
+    """Run ``workloads`` for shoal with ``--quick``; returns (stdout, results by workload)."""
     out_json = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, RUN, "--systems", "shoal", "--workloads", ",".join(WORKLOADS), "--quick",
+        [sys.executable, RUN, "--systems", "shoal", "--workloads", ",".join(workloads), "--quick",
          "--json", str(out_json)],
         capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    rows = [line.split() for line in proc.stdout.splitlines()]
+    results = {r["workload"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert set(results) == set(workloads)
+    return proc.stdout, results
+
+
+def _registered_systems(names) -> dict[str, list[str]]:
+    """The systems each workload registers, read without importing dask or ray."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1]); from bench import registry; "
+        "w = registry.load_all(); "
+        "print(json.dumps({n: sorted(w[n].systems) for n in sys.argv[2:]})); "
+        "assert 'ray' not in sys.modules and 'distributed' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, ROOT, *names], capture_output=True, text=True, check=False,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
+    stdout, results = _run_quick(WORKLOADS, tmp_path)
+    rows = [line.split() for line in stdout.splitlines()]
     for workload, metrics in WORKLOADS.items():
         for metric in metrics:
             assert any(r[:2] == [workload, metric] and "shoal" in r for r in rows), (
-                f"no result row for {workload}/{metric} in:\n{proc.stdout}"
+                f"no result row for {workload}/{metric} in:\n{stdout}"
             )
-    data = json.loads(out_json.read_text())
-    results = {r["workload"]: r for r in data["results"]}
-    assert set(results) == set(WORKLOADS)
     assert all(r["runs"] and not r["errors"] for r in results.values())
     for name in ("transfer_64MB", "transfer_512MB"):
         info = results[name]["runs"][0]["info"]
@@ -51,16 +70,7 @@ def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
 
 
 def test_cluster_workloads_register_all_systems():
-    code = (
-        "import sys, json; sys.path.insert(0, sys.argv[1]); from bench import registry; "
-        "w = registry.load_all(); "
-        "print(json.dumps({n: sorted(w[n].systems) for n in sys.argv[2:]})); "
-        "assert 'ray' not in sys.modules and 'distributed' not in sys.modules"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, ROOT, *WORKLOADS], capture_output=True, text=True, check=False,
-                          timeout=60, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    systems = json.loads(proc.stdout)
+    systems = _registered_systems(WORKLOADS)
     for name in WORKLOADS:
         expected = ["dask", "shoal"] if name == "tiny_tasks_inprocess" else ["dask", "ray", "shoal"]
         assert systems[name] == expected, (name, systems[name])
@@ -71,20 +81,8 @@ ARRAY_WORKLOADS = {"matmul": ["seconds", "numpy", "vs_numpy"], "dask_array_mix":
 
 @pytest.mark.timeout(300)
 def test_bench_quick_runs_array_workloads_for_shoal(tmp_path):
-    out_json = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, RUN, "--systems", "shoal", "--workloads", ",".join(ARRAY_WORKLOADS), "--quick",
-         "--json", str(out_json)],
-        capture_output=True, text=True, timeout=280, cwd=ROOT, check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    results = {r["workload"]: r for r in json.loads(out_json.read_text())["results"]}
-    assert set(results) == set(ARRAY_WORKLOADS)
+    _, results = _run_quick(ARRAY_WORKLOADS, tmp_path)
     for name, metrics in ARRAY_WORKLOADS.items():
         run = results[name]["runs"][0]  # each result was checked against numpy / dask in the child
         assert not results[name]["errors"] and all(m in run["metrics"] for m in metrics), results[name]
-    code = ("import sys, json; sys.path.insert(0, sys.argv[1]); from bench import registry; "
-            "w = registry.load_all(); print(json.dumps(sorted(w['matmul'].systems)))")
-    listed = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, check=True,
-                            timeout=60, cwd=ROOT)
-    assert json.loads(listed.stdout) == ["dask", "shoal"]
+    assert _registered_systems(ARRAY_WORKLOADS) == {name: ["dask", "shoal"] for name in ARRAY_WORKLOADS}
