@@ -9,7 +9,10 @@ reads keys and dependencies only, and never deserializes a payload.
 A :class:`RunSpec` is serialized by its own family: the function through the function
 cache (``dumps_function``/``loads_function``) and the arguments with pickle protocol 5,
 so a worker that receives the same function a thousand times unpickles it once. Over an
-in-process comm a RunSpec is not serialized at all.
+in-process comm a RunSpec is not serialized at all. To a worker on the same host, its
+large argument buffers (1 MiB or more) travel in shared memory: copied once into a
+segment the sending process keeps while the RunSpec lives (so a resend copies nothing),
+mapped copy-on-write by the worker.
 
 Dask graphs (dicts of legacy tuple tasks, key references and nested containers, and
 dask's task-spec classes) convert to this spec with :func:`convert_dask_graph`.
@@ -19,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import uuid
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from .errors import GraphError
 from .protocol import (
+    SAME_HOST,
     Serialize,
     Serialized,
     dumps_function,
@@ -32,7 +37,7 @@ from .protocol import (
     register_serializer,
     unwrap,
 )
-from .protocol.serialize import pickle_dumps
+from .protocol.serialize import pickle_dumps, sizeof
 
 __all__ = [
     "Ref",
@@ -48,6 +53,8 @@ __all__ = [
 ]
 
 Key = Hashable
+
+logger = logging.getLogger("shoal.taskspec")
 
 
 class Ref:
@@ -101,12 +108,24 @@ class RunSpec:
     """What a worker runs for one task: ``func(*args, **kwargs)`` after ``Ref``\\ s are
     replaced by dependency values. The scheduler carries it opaque."""
 
-    __slots__ = ("func", "args", "kwargs")
+    __slots__ = ("func", "args", "kwargs", "_nbytes", "_placed")
 
     def __init__(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
         self.func = func
         self.args = args
         self.kwargs = kwargs or {}
+        self._nbytes: int | None = None
+        #: the large argument buffers copied into shared memory for same-host workers
+        #: (:func:`shoal.comm.shm_family.place_buffers`), once for every send
+        self._placed: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """About how many bytes the arguments hold (top level only; decides whether a
+        transport serializes the payload off its event loop)."""
+        if self._nbytes is None:
+            self._nbytes = sum(sizeof(a) for a in self.args) + sum(sizeof(v) for v in self.kwargs.values())
+        return self._nbytes
 
     def __repr__(self) -> str:
         return f"RunSpec({getattr(self.func, '__name__', self.func)!r})"
@@ -139,14 +158,59 @@ def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], lis
 
     buffers: list[PickleBuffer] = []
     args = pickle_dumps((spec.args, spec.kwargs), buffer_callback=buffers.append)
-    return {}, [_dumps_function_cached(spec.func), args, *(b.raw() for b in buffers)]
+    raws = [b.raw() for b in buffers]
+    func = _dumps_function_cached(spec.func)
+    if destination == SAME_HOST and raws:
+        placed = _placed(spec, raws)
+        if placed is not None:
+            # large arguments wait in shared memory; the worker maps them
+            rest = [r for r, ref in zip(raws, placed.refs) if ref is None]
+            return {"refs": placed.refs}, [func, args, *rest]
+    return {}, [func, args, *raws]
+
+
+def _placed(spec: RunSpec, raws: list[memoryview]) -> Any:
+    """The spec's large buffers in shared memory, copied on its first same-host send
+    and kept with the spec (a resend, to another worker after a loss, copies nothing)."""
+    from .comm import shm_family
+
+    placed = spec._placed
+    if placed is not None and len(placed.refs) == len(raws):
+        return placed
+    try:
+        placed = shm_family.place_buffers(raws)
+    except shm_family.ShmUnavailable as exc:
+        if not _shm_warned:
+            _shm_warned.append(True)
+            logger.warning("task arguments: %s", exc)
+        return None
+    spec._placed = placed
+    return placed
+
+
+_shm_warned: list[bool] = []
 
 
 def _runspec_loads(header: dict[str, Any], frames: Any) -> RunSpec:
     import pickle
 
     func = loads_function(frames[0])
-    args, kwargs = pickle.loads(frames[1], buffers=frames[2:])
+    refs = header.get("refs")
+    buffers = frames[2:]
+    if refs:
+        from .comm.shm_family import map_refs
+
+        if not isinstance(refs, list):
+            raise ValueError(f"malformed task payload header: refs {refs!r:.200}")
+        try:
+            # mappings of this run's own: a task that writes into an argument changes
+            # nothing another run of the same payload (a retry) would see
+            buffers = map_refs(refs, buffers, own=True)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"an argument of this task was in shared memory that is gone ({exc}); "
+                "the process that sent the task released it or exited") from exc
+    args, kwargs = pickle.loads(frames[1], buffers=buffers)
     return RunSpec(func, args, kwargs)
 
 

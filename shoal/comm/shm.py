@@ -52,6 +52,8 @@ __all__ = [
     "retire",
     "drain_pool",
     "trim_pool",
+    "retire_later",
+    "work_off",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -155,31 +157,51 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
 
 def _fill_segment(need: int, pieces: list[tuple[int, memoryview]], keep: bool = True) -> tuple[str, int, str]:
     """A segment (reused or new) of at least ``need`` bytes with a fresh header and
-    each ``(offset, buffer)`` copied in; returns ``(name, size, token)``. With ``keep``
-    the owner's writable mapping is kept for the segment's reuse (no page faults then).
+    each ``(offset, buffer)`` copied in; returns ``(name, size, token)``. A reused
+    segment is filled through the owner's mapping (its pages are there: no faults); a
+    new one with ``pwrite``, which fills fresh tmpfs pages far faster than faulting
+    them in through a mapping. With ``keep`` the segment stays the owner's, for reuse.
     Raises :class:`ShmUnavailable`; nothing is left behind on failure."""
     name, fd, size, writer = _writable_segment(need)
     token = secrets.token_hex(8)
     try:
-        view = memoryview(writer)
-        try:
-            view[:_HEADER] = _header(token)
+        if writer is None:
+            _pwrite_all(fd, _header(token), 0)
             for offset, buf in pieces:
-                _copy_into(view[offset : offset + buf.nbytes], buf)
-        finally:
-            view.release()
-    except BaseException:
+                _pwrite_all(fd, buf, offset)
+        else:
+            view = memoryview(writer)
+            try:
+                view[:_HEADER] = _header(token)
+                for offset, buf in pieces:
+                    _copy_into(view[offset : offset + buf.nbytes], buf)
+            finally:
+                view.release()
+    except BaseException as exc:
         os.close(fd)
-        writer.close()
+        if writer is not None:
+            writer.close()
         unlink(name)
+        if isinstance(exc, OSError):
+            raise ShmUnavailable(f"cannot write segment {name} of {size:,} bytes: {exc}; "
+                                 "the value travels over tcp instead") from exc
         raise
     os.close(fd)  # releases the exclusive lock: readers may map it now
-    if keep:
-        with _lock:
-            _writers[name] = writer
-    else:
-        writer.close()
+    if writer is not None:
+        if keep:
+            with _lock:
+                _writers[name] = writer
+        else:
+            writer.close()
     return name, size, token
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (the GIL is released while the kernel copies)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _header(token: str) -> bytes:
@@ -188,8 +210,9 @@ def _header(token: str) -> bytes:
 
 def _writable_segment(need: int) -> tuple[str, int, int, mmap.mmap]:
     """``(name, fd, size, writer)`` of a segment of at least ``need`` bytes that nobody
-    maps, opened for writing and locked exclusively, with the owner's shared mapping of
-    it (pages faulted in): a reused one, or a new one."""
+    maps, opened for writing and locked exclusively: a reused one, with the owner's
+    shared mapping of it (pages faulted in), or a new one (``writer`` is ``None``: the
+    mapping is made when the segment is first reused)."""
     reused = _reuse(need)
     if reused is not None:
         return reused
@@ -204,7 +227,7 @@ def _writable_segment(need: int) -> tuple[str, int, int, mmap.mmap]:
         _owned.add(name)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+        # reserve the pages now: a full /dev/shm is a clear error before anything is copied
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)
@@ -216,13 +239,7 @@ def _writable_segment(need: int) -> tuple[str, int, int, mmap.mmap]:
             ) from exc
         raise ShmUnavailable(f"cannot set up segment {name} of {size:,} bytes: {exc}; "
                              "the value travels over tcp instead") from exc
-    try:
-        writer = _writer(name, size)
-    except OSError as exc:
-        os.close(fd)
-        unlink(name)
-        raise ShmUnavailable(f"cannot map segment {name}: {exc}") from exc
-    return name, fd, size, writer
+    return name, fd, size, None
 
 
 def _writer(name: str, size: int) -> mmap.mmap:
@@ -261,6 +278,22 @@ def retire(name: str, size: int) -> None:
     map the released value any more), and its memory is kept for reuse under a pool
     name, or freed when the pool is full."""
     _work_off_freed()  # an array born in it may have been freed meanwhile
+    _retire(name, size)
+
+
+def retire_later(name: str, size: int) -> None:
+    """:func:`retire` from anywhere, even a finalizer run by the garbage collector
+    while this thread holds the module's lock: only queued; the next call into the
+    pool (or :func:`work_off`) does it."""
+    _retiring.append((name, size))
+
+
+def work_off() -> None:
+    """Do what finalizers and numpy's frees queued (retire segments, free arrays)."""
+    _work_off_freed()
+
+
+def _retire(name: str, size: int) -> None:
     with _lock:
         keep = (sum(s for s, _ in _pool) + size <= pool_limit and name in _owned
                 and name not in _born_names)  # an array still lives in it: not reusable yet
@@ -372,6 +405,8 @@ _born: dict[int, _Born] = {}  # data address -> its segment
 placements = {"born": 0, "copied": 0}
 _born_names: set[str] = set()
 _freed: collections.deque[int] = collections.deque()
+#: segments whose holders went away (see :func:`retire_later`)
+_retiring: collections.deque[tuple[str, int]] = collections.deque()
 _allocator_on = False
 
 
@@ -405,6 +440,12 @@ def release_array_memory(address: int) -> None:
 
 
 def _work_off_freed() -> None:
+    while _retiring:
+        try:
+            name, size = _retiring.popleft()
+        except IndexError:
+            break
+        _retire(name, size)
     while _freed:
         try:
             address = _freed.popleft()
@@ -420,7 +461,7 @@ def _work_off_freed() -> None:
             writer = None if alive else _writers.pop(b.name, None)
         if not published:
             os.close(b.fd)
-            retire(b.name, b.size)  # never shown to anyone: straight back to the pool
+            _retire(b.name, b.size)  # never shown to anyone: straight back to the pool
         elif writer is not None:
             _close_writer(writer)  # its key was released while the array lived
 
@@ -506,15 +547,18 @@ _maps: dict[str, tuple[weakref.ref[mmap.mmap], str]] = {}
 _ranges: dict[str, tuple[int, int, str]] = {}
 
 
-def map_segment(name: str, size: int, token: str) -> memoryview:
+def map_segment(name: str, size: int, token: str, own: bool = False) -> memoryview:
     """A copy-on-write view of segment ``name`` holding generation ``token`` (one
-    mapping per segment and process, alive while any value uses it). Raises
-    ``FileNotFoundError`` if it is gone or now holds something else."""
-    with _lock:
-        entry = _maps.get(name)
-        m = entry[0]() if entry is not None and entry[1] == token else None
-    if m is not None and len(m) >= size:
-        return memoryview(m)
+    mapping per segment and process, alive while any value uses it; with ``own``, a
+    mapping of its own, whose writes no other user of the segment in this process
+    sees: a task's arguments). Raises ``FileNotFoundError`` if it is gone or now holds
+    something else."""
+    if not own:
+        with _lock:
+            entry = _maps.get(name)
+            m = entry[0]() if entry is not None and entry[1] == token else None
+        if m is not None and len(m) >= size:
+            return memoryview(m)
     fd = os.open(_path(name), os.O_RDONLY)
     try:
         try:
@@ -531,6 +575,9 @@ def map_segment(name: str, size: int, token: str) -> memoryview:
         os.close(fd)
         raise
     view = memoryview(m)
+    if own:
+        weakref.finalize(m, os.close, fd).atexit = False  # the lock goes with the mapping
+        return view
     start = _address(view)
     with _lock:
         _maps[name] = (weakref.ref(m, lambda _r, name=name, fd=fd: _forget(name, fd)), token)
@@ -612,6 +659,7 @@ def _forget_parent_segments() -> None:
     _born.clear()
     _born_names.clear()
     _freed.clear()
+    _retiring.clear()
 
 
 os.register_at_fork(after_in_child=_forget_parent_segments)

@@ -2,16 +2,23 @@
 memory, a buffer that already lies in a segment travels as a reference to it, and a
 large private buffer through a transfer segment made for that one message (with a
 lease, unlinked by the receiver). Registered when :mod:`shoal.comm` is imported.
+
+Also here: :func:`place_buffers`, which puts the large buffers of an object that may be
+sent more than once (a task's payload) in a segment this process keeps for as long as
+that object lives, and :func:`map_refs`, which turns references back into buffers.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from .shm import (
+    _DATA_OFFSET,
     _HEADER,
     ShmUnavailable,
     _align,
@@ -20,10 +27,14 @@ from .shm import (
     enabled,
     locate,
     map_segment,
+    retire_later,
     unlink,
+    work_off,
 )
 
-__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes"]
+__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "map_refs"]
+
+logger = logging.getLogger("shoal.comm.shm")
 
 
 #: private buffers at least this large cross to a same-host peer through a new segment
@@ -76,22 +87,79 @@ def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:
     refs = header.get("refs")
     if not refs:
         return pickle.loads(frames[0], buffers=frames[1:])
+    return pickle.loads(frames[0], buffers=map_refs(refs, frames[1:]))
+
+
+def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> list[Any]:
+    """The buffers a family header's ``refs`` describe: each ``None`` takes the next
+    frame, each ``[name, size, offset, length, flag, token]`` is mapped from its
+    segment (copy-on-write; with ``own`` in mappings of their own, see
+    :func:`~.shm.map_segment`); with flag 1 (a transfer) the name is removed once mapped.
+    Raises ``FileNotFoundError`` for a segment that is gone, ``ValueError`` for refs
+    that do not describe buffers."""
     buffers: list[Any] = []
-    it = iter(frames[1:])
+    it = iter(frames)
     for ref in refs:
         if ref is None:
-            buffers.append(next(it))
-        else:
+            try:
+                buffers.append(next(it))
+            except StopIteration:
+                raise ValueError("the refs name more frames than were sent") from None
+            continue
+        try:
             name, size, offset, length, flag, token = ref
-            view = map_segment(name, int(size), str(token))
-            buffers.append(view[int(offset) : int(offset) + int(length)])
-            if flag == 1:
-                # a transfer: the mapping is ours now; the name is not needed any more
-                try:
-                    os.unlink(_path(name))
-                except FileNotFoundError:
-                    pass
-    return pickle.loads(frames[0], buffers=buffers)
+            size, offset, length = int(size), int(offset), int(length)
+        except (TypeError, ValueError):
+            raise ValueError(f"malformed shared-memory reference {ref!r:.200}") from None
+        if not isinstance(name, str) or offset < 0 or length < 0 or offset + length > size:
+            raise ValueError(f"malformed shared-memory reference {ref!r:.200}")
+        view = map_segment(name, size, str(token), own=own)
+        buffers.append(view[offset : offset + length])
+        if flag == 1:
+            # a transfer: the mapping is ours now; the name is not needed any more
+            try:
+                os.unlink(_path(name))
+            except FileNotFoundError:
+                pass
+    return buffers
+
+
+class PlacedBuffers:
+    """The large buffers of one object, copied once into a segment this process owns.
+
+    The object keeps it (a task's payload, which its scheduler may send again to
+    another worker); ``refs`` describe the buffers for a header. When it is garbage the
+    segment goes back to this process's pool, where it is reused once no reader maps it
+    any more (see :mod:`.shm`)."""
+
+    __slots__ = ("refs", "nbytes", "_finalizer", "__weakref__")
+
+    def __init__(self, refs: list[Any], nbytes: int, name: str, size: int):
+        self.refs = refs
+        self.nbytes = nbytes
+        # a finalizer may run inside the garbage collector: it only queues the retirement
+        self._finalizer = weakref.finalize(self, retire_later, name, size)
+        self._finalizer.atexit = False  # at exit every segment is unlinked anyway
+
+
+def place_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTES) -> PlacedBuffers | None:
+    """Copy the buffers of ``raws`` that hold at least ``min_bytes`` into one segment
+    (a pooled one when one fits: no page faults); ``None`` when none is that large or
+    shared memory is off. Raises :class:`ShmUnavailable` (nothing is left behind)."""
+    big = [i for i, r in enumerate(raws) if r.nbytes >= min_bytes]
+    if not big or not enabled():
+        return None
+    work_off()  # segments of payloads that are gone: reusable now
+    pos = _DATA_OFFSET  # the layout of a placed value: one segment size fits either
+    spans: dict[int, int] = {}
+    for i in big:
+        spans[i] = pos
+        pos = _align(pos + raws[i].nbytes)
+    name, size, token = _fill_segment(pos, [(spans[i], raws[i]) for i in big])
+    refs: list[Any] = [None] * len(raws)
+    for i in big:
+        refs[i] = [name, size, spans[i], raws[i].nbytes, 0, token]
+    return PlacedBuffers(refs, sum(raws[i].nbytes for i in big), name, size)
 
 
 def shm_bytes(obj: Any) -> int:

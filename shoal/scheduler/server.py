@@ -15,6 +15,7 @@ import itertools
 import logging
 from typing import Any
 
+from .. import config
 from ..comm import Comm, shm
 from ..comm.core import local_info
 from ..errors import CommError
@@ -73,6 +74,7 @@ class Scheduler:
         self.client_streams: dict[str, BatchedSend] = {}
         self._ids = itertools.count()
         self._workers_changed: asyncio.Event | None = None
+        self._housekeeping: asyncio.Future[None] | None = None
         self.closing = False
 
     @property
@@ -82,7 +84,20 @@ class Scheduler:
     async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:
         await self.server.listen(address)
         logger.info("scheduler at %s", self.address)
+        if shm.enabled():
+            self._housekeeping = asyncio.ensure_future(self._shm_housekeeping(config.get("shm-pool-idle")))
         return self
+
+    async def _shm_housekeeping(self, idle: float) -> None:
+        """Task arguments sent to same-host workers wait in segments of this process
+        while their tasks are known (:mod:`shoal.taskspec`): once a forgotten task's
+        payload is garbage its segment goes back to the pool, whose memory is given
+        back after ``idle`` seconds unused."""
+        while True:
+            await asyncio.sleep(1.0)
+            shm.work_off()
+            if idle > 0:
+                shm.trim_pool(idle)
 
     def _stimulus(self, what: str) -> str:
         return f"{what}-{next(self._ids)}"
@@ -332,6 +347,15 @@ class Scheduler:
         for stream in list(self.worker_streams.values()) + list(self.client_streams.values()):
             await stream.close(timeout=2.0)
         await self.server.close()
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        # drop the payloads: arguments of tasks still known that wait in shared memory
+        # go back to the pool (their holders are garbage now), and the pool is emptied
+        for ts in self.state.tasks.values():
+            ts.payload = None
+        if shm.enabled():
+            shm.work_off()
+            shm.drain_pool()
 
 
 async def _reply_error(comm: Comm, text: str) -> None:

@@ -156,6 +156,7 @@ class Worker:
                     op = msg.get("op") if isinstance(msg, dict) else None
                     try:
                         if op == "compute-task":
+                            self._count_payload(msg.get("payload"))
                             events.append(ComputeTaskEvent(
                                 self._stimulus("compute"), msg["key"], msg.get("payload"),
                                 dict(msg.get("who_has") or {}), dict(msg.get("nbytes") or {}),
@@ -337,6 +338,16 @@ class Worker:
         self.transfers["shm"] += mapped
         self.transfers["tcp"] += max(nbytes - mapped, 0)
 
+    def _count_payload(self, payload: Any) -> None:
+        """A task's argument buffers count as moved: mapped, or in frames over tcp."""
+        if type(payload) is not Serialized or payload.family != "shoal.runspec":
+            return
+        refs = payload.header.get("refs") if isinstance(payload.header, dict) else None
+        if isinstance(refs, list):
+            self.transfers["shm"] += sum(r[3] for r in refs if isinstance(r, list) and len(r) == 6
+                                         and isinstance(r[3], int))
+        self.transfers["tcp"] += sum(_nbytes_of(f) for f in payload.frames[2:])
+
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         assert self.state is not None
         data = self.state.data
@@ -424,3 +435,7 @@ def _exception_for(exc: BaseException, destination: str) -> Any:
         return serialize(exc, destination)
     except Exception:
         return None
+
+
+def _nbytes_of(frame: Any) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)

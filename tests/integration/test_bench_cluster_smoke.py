@@ -1,5 +1,5 @@
-"""The cluster workloads of the benchmark harness (``bench/workloads/cluster.py``) run end
-to end for shoal with ``--quick``. No timing assertions; dask and ray are optional extras
+"""The cluster workloads of the benchmark harness (``bench/workloads/cluster.py``,
+``args.py``, ``arrays.py``) run end to end for shoal with ``--quick``. No timing assertions; dask and ray are optional extras
 (the ``bench`` extra) and are neither required nor run here: only their registration is
 checked, which imports neither."""
 
@@ -23,6 +23,7 @@ WORKLOADS = {
     "transfer_64MB": ["consumer", "producer", "memcpy", "consumer_vs_memcpy"],
     "transfer_512MB": ["consumer", "producer", "memcpy", "consumer_vs_memcpy"],
     "busy_owner": ["busy_owner", "idle_owner", "busy_task"],
+    "task_args_64MB": ["seconds", "first", "GBps"],
 }
 
 
@@ -67,6 +68,9 @@ def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
     for name in ("transfer_64MB", "transfer_512MB"):
         info = results[name]["runs"][0]["info"]
         assert info["consumer_writeable"] in ("yes", "no")
+    info = results["task_args_64MB"]["runs"][0]["info"]
+    # the arguments went through shared memory, and the task could write into them
+    assert info["arg_writeable"] == "yes" and "shm=0.0MB" not in info["shoal_bytes_served"], info
 
 
 def test_cluster_workloads_register_all_systems():

@@ -1,0 +1,126 @@
+"""A task's large arguments travel to a same-host worker through shared memory: the
+runspec family places them once per payload, the worker maps them copy-on-write."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from shoal.comm import shm
+from shoal.protocol import REMOTE, SAME_HOST, Serialized, deserialize, serialize
+from shoal.taskspec import Ref, RunSpec, run
+
+MB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    gc.collect()
+    shm.work_off()
+    shm.drain_pool()
+    assert not shm.segments_of(os.getpid()), "a test left segments in /dev/shm"
+
+
+def _sum_all(*arrays, extra=0.0):
+    return float(sum(a.sum() for a in arrays)) + extra
+
+
+def _refs(s: Serialized) -> list:
+    return [r for r in s.header.get("refs", []) if r is not None]
+
+
+def test_large_arguments_are_placed_once_and_mapped_copy_on_write():
+    big = np.full(2 * MB // 8, 3.0)
+    small = np.arange(1000, dtype=np.float64)  # below the threshold: stays a frame
+    spec = RunSpec(_sum_all, (big, small), {"extra": 1.0})
+    s = serialize(spec, SAME_HOST)
+    (ref,) = _refs(s)
+    name, size, offset, length, flag, _token = ref
+    assert length == big.nbytes and flag == 0  # the sender keeps it: a resend copies nothing
+    assert name in shm.owned()
+    assert sum(memoryview(f).nbytes for f in s.frames) < MB  # the big buffer is not a frame
+    assert _refs(serialize(spec, SAME_HOST)) == [ref]
+
+    got = deserialize(s)
+    assert run(got, {}) == _sum_all(big, small, extra=1.0)
+    arg = got.args[0]
+    assert arg.flags.writeable
+    arg[:] = -1.0  # a private copy of the touched pages only
+    assert float(deserialize(Serialized(s.family, s.header, s.frames)).args[0][0]) == 3.0
+    assert float(big[0]) == 3.0
+
+
+def test_remote_destinations_get_frames():
+    spec = RunSpec(_sum_all, (np.ones(2 * MB // 8),))
+    s = serialize(spec, REMOTE)
+    assert not _refs(s)
+    assert run(deserialize(s), {}) == 2 * MB // 8
+
+
+def test_refs_to_dependencies_still_work():
+    spec = RunSpec(_sum_all, (np.ones(2 * MB // 8), Ref("x")))
+    got = deserialize(serialize(spec, SAME_HOST))
+    assert run(got, {"x": np.ones(10)}) == 2 * MB // 8 + 10
+
+
+def test_the_segment_goes_back_to_the_pool_when_the_payload_is_gone():
+    spec = RunSpec(_sum_all, (np.ones(4 * MB // 8),))
+    (ref,) = _refs(serialize(spec, SAME_HOST))
+    del spec
+    gc.collect()
+    shm.work_off()
+    assert ref[0] not in shm.owned()  # its name went; its pages wait in the pool
+    before = set(shm.segments_of(os.getpid()))
+    assert len(before) == 1 and "-pool" in next(iter(before))
+    spec2 = RunSpec(_sum_all, (np.ones(4 * MB // 8),))
+    (ref2,) = _refs(serialize(spec2, SAME_HOST))
+    # the next payload of that size reuses the pooled segment (renamed): no new pages
+    assert set(shm.segments_of(os.getpid())) == {ref2[0]}
+    assert ref2[1] == ref[1]
+
+
+def test_a_payload_whose_segment_is_gone_fails_with_a_clear_error():
+    spec = RunSpec(_sum_all, (np.ones(2 * MB // 8),))
+    s = serialize(spec, SAME_HOST)
+    (ref,) = _refs(s)
+    shm.unlink(ref[0])
+    with pytest.raises(FileNotFoundError, match="an argument of this task was in shared memory that is gone"):
+        deserialize(s)
+
+
+@pytest.mark.parametrize("refs", [
+    "not a list",
+    [["shoal-1-x", 100, 0]],
+    [["shoal-1-x", 100, 50, 60, 0, "t"]],  # beyond the segment
+    [None],  # names a frame that was not sent
+])
+def test_malformed_refs_are_an_error_of_that_payload(refs):
+    frames = serialize(RunSpec(_sum_all, ()), REMOTE).frames[:2]
+    with pytest.raises((ValueError, TypeError)):
+        deserialize(Serialized("shoal.runspec", {"refs": refs}, frames))
+
+
+def test_full_shared_memory_sends_the_arguments_as_frames(monkeypatch, caplog):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shm.drain_pool()
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr("shoal.taskspec._shm_warned", [])
+    big = np.full(2 * MB // 8, 5.0)
+    with caplog.at_level("WARNING", logger="shoal.taskspec"):
+        s = serialize(RunSpec(_sum_all, (big,)), SAME_HOST)
+    assert not _refs(s)
+    assert "shared memory is full" in caplog.text and "tcp" in caplog.text
+    assert run(deserialize(s), {}) == 5.0 * (2 * MB // 8)
+
+
+def test_shared_memory_turned_off_sends_frames(monkeypatch):
+    monkeypatch.setenv("SHOAL_SHM", "0")
+    s = serialize(RunSpec(_sum_all, (np.ones(2 * MB // 8),)), SAME_HOST)
+    assert not _refs(s)
