@@ -108,12 +108,16 @@ class RunSpec:
     """What a worker runs for one task: ``func(*args, **kwargs)`` after ``Ref``\\ s are
     replaced by dependency values. The scheduler carries it opaque."""
 
-    __slots__ = ("func", "args", "kwargs", "_nbytes", "_placed")
+    __slots__ = ("func", "args", "kwargs", "handoff", "_nbytes", "_placed")
 
     def __init__(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
         self.func = func
         self.args = args
         self.kwargs = kwargs or {}
+        #: this process does not keep the payload once sent (a client whose scheduler
+        #: is another process): large arguments go in transfer segments the receiver
+        #: takes over, instead of segments this process keeps for resending
+        self.handoff = False
         self._nbytes: int | None = None
         #: the large argument buffers copied into shared memory for same-host workers
         #: (:func:`shoal.comm.shm_family.place_buffers`), once for every send
@@ -161,12 +165,29 @@ def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], lis
     raws = [b.raw() for b in buffers]
     func = _dumps_function_cached(spec.func)
     if destination == SAME_HOST and raws:
-        placed = _placed(spec, raws)
+        placed = _handed_over(raws) if spec.handoff else _placed(spec, raws)
         if placed is not None:
             # large arguments wait in shared memory; the worker maps them
             rest = [r for r, ref in zip(raws, placed.refs) if ref is None]
             return {"refs": placed.refs}, [func, args, *rest]
     return {}, [func, args, *raws]
+
+
+def _handed_over(raws: list[memoryview]) -> Any:
+    """The large buffers in transfer segments for the receiver to take over (the
+    scheduler adopts them; a worker maps them and removes the names)."""
+    from .comm import shm_family
+    from .protocol import leases
+
+    if not leases.active():
+        return None
+    try:
+        return shm_family.hand_over_buffers(raws)
+    except shm_family.ShmUnavailable as exc:
+        if not _shm_warned:
+            _shm_warned.append(True)
+            logger.warning("task arguments: %s", exc)
+        return None
 
 
 def _placed(spec: RunSpec, raws: list[memoryview]) -> Any:

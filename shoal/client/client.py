@@ -28,7 +28,7 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm
 from ..errors import CommError, LostDataError
-from ..protocol import sizeof, to_serialize
+from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
 from ..taskspec import RunSpec, key_name, tokenize, unique_token, validate_key
 from .collections import DaskCollections
@@ -87,6 +87,7 @@ class Client(DaskCollections):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scatter_rr = itertools.count()
         self._use_shm = False
+        self._hand_over = False
         if not asynchronous:
             # A client of a cluster running in this process shares the cluster's loop:
             # client and scheduler then talk on one thread (no wake-ups between them).
@@ -135,6 +136,9 @@ class Client(DaskCollections):
         self._comm = comm
         # values in shared memory: mapped when this process shares the domain (tried, not assumed)
         self._use_shm = shm.enabled()
+        # a scheduler in another process of this host keeps the tasks' payloads: their
+        # large arguments are handed over to it in shared memory (it forwards them)
+        self._hand_over = comm.destination == SAME_HOST
         self._stream = BatchedSend(name=f"{self.id}-to-scheduler")
         self._stream.start(comm)
         self._pool = ConnectionPool(deserialize=True, timeout=self.timeout)
@@ -459,6 +463,12 @@ class Client(DaskCollections):
             raise RuntimeError(f"the client lost its connection to the scheduler at {self.scheduler_address}")
         if self.status != "running":
             raise RuntimeError(f"the client is {self.status}")
+        if self._hand_over:
+            for t in tasks:
+                spec = t.get("payload")
+                spec = spec.data if isinstance(spec, Serialize) else spec
+                if isinstance(spec, RunSpec):
+                    spec.handoff = True
         self._enqueue({"op": "update-graph", "tasks": tasks, "wanted": wanted})
 
     # -- results

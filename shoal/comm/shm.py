@@ -54,6 +54,7 @@ __all__ = [
     "trim_pool",
     "retire_later",
     "work_off",
+    "adopt_segment",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -281,11 +282,25 @@ def retire(name: str, size: int) -> None:
     _retire(name, size)
 
 
-def retire_later(name: str, size: int) -> None:
-    """:func:`retire` from anywhere, even a finalizer run by the garbage collector
-    while this thread holds the module's lock: only queued; the next call into the
-    pool (or :func:`work_off`) does it."""
-    _retiring.append((name, size))
+def adopt_segment(name: str) -> str | None:
+    """Make another process's transfer segment this process's own: rename it to a
+    name of ours (its sender then cannot remove it); the new name, or ``None`` if it
+    is gone."""
+    try:
+        new = _new_name()
+        os.rename(_path(name), _path(new))
+    except (OSError, ValueError):
+        return None
+    with _lock:
+        _owned.add(new)
+    return new
+
+
+def retire_later(name: str, size: int, pool: bool = True) -> None:
+    """:func:`retire` (or, with ``pool=False``, :func:`unlink`) from anywhere, even a
+    finalizer run by the garbage collector while this thread holds the module's lock:
+    only queued; the next call into the pool (or :func:`work_off`) does it."""
+    _retiring.append((name, size if pool else -1))
 
 
 def work_off() -> None:
@@ -445,7 +460,10 @@ def _work_off_freed() -> None:
             name, size = _retiring.popleft()
         except IndexError:
             break
-        _retire(name, size)
+        if size < 0:
+            unlink(name)
+        else:
+            _retire(name, size)
     while _freed:
         try:
             address = _freed.popleft()

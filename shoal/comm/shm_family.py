@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ..protocol import SAME_HOST
 from .shm import (
     _DATA_OFFSET,
     _HEADER,
@@ -24,6 +25,7 @@ from .shm import (
     _align,
     _fill_segment,
     _path,
+    adopt_segment,
     enabled,
     locate,
     map_segment,
@@ -32,7 +34,8 @@ from .shm import (
     work_off,
 )
 
-__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "map_refs"]
+__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "map_refs", "adopt_refs",
+           "forward_refs"]
 
 logger = logging.getLogger("shoal.comm.shm")
 
@@ -125,41 +128,66 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
 
 
 class PlacedBuffers:
-    """The large buffers of one object, copied once into a segment this process owns.
+    """The large buffers of one object copied into a segment; ``refs`` describe them
+    for a header (nil for the buffers left as frames).
 
-    The object keeps it (a task's payload, which its scheduler may send again to
-    another worker); ``refs`` describe the buffers for a header. When it is garbage the
-    segment goes back to this process's pool, where it is reused once no reader maps it
-    any more (see :mod:`.shm`)."""
+    With ``keep`` (``(name, size)``) the segment is this process's for as long as the
+    object holding this lives (a task's payload, which its scheduler may send again to
+    another worker); then it goes back to this process's pool, where it is reused once
+    no reader maps it any more (see :mod:`.shm`). Without, it was handed over."""
 
-    __slots__ = ("refs", "nbytes", "_finalizer", "__weakref__")
+    __slots__ = ("refs", "__weakref__")
 
-    def __init__(self, refs: list[Any], nbytes: int, name: str, size: int):
+    def __init__(self, refs: list[Any], keep: tuple[str, int] | None = None):
         self.refs = refs
-        self.nbytes = nbytes
-        # a finalizer may run inside the garbage collector: it only queues the retirement
-        self._finalizer = weakref.finalize(self, retire_later, name, size)
-        self._finalizer.atexit = False  # at exit every segment is unlinked anyway
+        if keep is not None:
+            # a finalizer may run inside the garbage collector: it only queues the
+            # retirement; at exit every segment is unlinked anyway
+            weakref.finalize(self, retire_later, *keep).atexit = False
 
 
 def place_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTES) -> PlacedBuffers | None:
     """Copy the buffers of ``raws`` that hold at least ``min_bytes`` into one segment
-    (a pooled one when one fits: no page faults); ``None`` when none is that large or
-    shared memory is off. Raises :class:`ShmUnavailable` (nothing is left behind)."""
+    this process keeps (a pooled one when one fits: no page faults), with flag-0 refs;
+    ``None`` when none is that large or shared memory is off. Raises
+    :class:`ShmUnavailable` (nothing is left behind)."""
+    work_off()  # segments of payloads that are gone: reusable now
+    # the layout of a placed value: one segment size fits either
+    placed = _copy_big(raws, min_bytes, _DATA_OFFSET, flag=0)
+    if placed is None:
+        return None
+    refs, name, size = placed
+    return PlacedBuffers(refs, keep=(name, size))
+
+
+def hand_over_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTES) -> PlacedBuffers | None:
+    """Like :func:`place_buffers`, but for the receiver to take over: flag-1 refs to a
+    transfer segment, under a lease (inside a transport's serialization) that removes
+    it should the receiver neither map nor adopt it."""
+    from ..protocol import leases
+
+    placed = _copy_big(raws, min_bytes, _HEADER, flag=1)
+    if placed is None:
+        return None
+    refs, name, _ = placed
+    leases.lease(lambda: unlink(name))
+    return PlacedBuffers(refs)
+
+
+def _copy_big(raws: Sequence[memoryview], min_bytes: int, start: int, flag: int) -> tuple[list[Any], str, int] | None:
     big = [i for i, r in enumerate(raws) if r.nbytes >= min_bytes]
     if not big or not enabled():
         return None
-    work_off()  # segments of payloads that are gone: reusable now
-    pos = _DATA_OFFSET  # the layout of a placed value: one segment size fits either
+    pos = start
     spans: dict[int, int] = {}
     for i in big:
         spans[i] = pos
         pos = _align(pos + raws[i].nbytes)
-    name, size, token = _fill_segment(pos, [(spans[i], raws[i]) for i in big])
+    name, size, token = _fill_segment(pos, [(spans[i], raws[i]) for i in big], keep=flag == 0)
     refs: list[Any] = [None] * len(raws)
     for i in big:
-        refs[i] = [name, size, spans[i], raws[i].nbytes, 0, token]
-    return PlacedBuffers(refs, sum(raws[i].nbytes for i in big), name, size)
+        refs[i] = [name, size, spans[i], raws[i].nbytes, flag, token]
+    return refs, name, size
 
 
 def shm_bytes(obj: Any) -> int:
@@ -177,11 +205,63 @@ def shm_bytes(obj: Any) -> int:
     return total
 
 
+def adopt_refs(s: Any) -> bool:
+    """A process that keeps a received value serialized (to forward it later) takes
+    over its transfer segments (flag-1 refs): each file is renamed to a name of this
+    process, the refs now name it with flag 0, and ``s.keep`` holds it for as long as
+    ``s`` lives (then it goes to this process's pool). True if it took any: the sender's
+    lease may end. A file already gone stays named as it was (decoding it fails)."""
+    refs = s.header.get("refs") if isinstance(s.header, dict) else None
+    if not isinstance(refs, list) or not enabled():
+        return False
+    renamed: dict[str, str] = {}
+    for ref in refs:
+        if not (isinstance(ref, list) and len(ref) == 6 and ref[4] == 1 and isinstance(ref[0], str)):
+            continue
+        old = ref[0]
+        if old not in renamed:
+            new = adopt_segment(old)
+            if new is None:
+                continue
+            renamed[old] = new
+        ref[0], ref[4] = renamed[old], 0
+    if not renamed:
+        return False
+    s.keep = [_Held(name) for name in renamed.values()]
+    return True
+
+
+class _Held:
+    """A segment this process adopted for a value it keeps serialized: removed when
+    the value is gone (not pooled: a process that forwards values makes none)."""
+
+    __slots__ = ("__weakref__",)
+
+    def __init__(self, name: str):
+        weakref.finalize(self, retire_later, name, 0, False).atexit = False
+
+
+def forward_refs(s: Any, destination: str, lead: int) -> tuple[dict[str, Any], list[Any]]:
+    """What to send for a value kept serialized: as it is to a same-host peer; to any
+    other, its referenced buffers as frames again (``lead``: the family's frames before
+    the buffers)."""
+    refs = s.header.get("refs") if isinstance(s.header, dict) else None
+    if destination == SAME_HOST or not refs:
+        return s.header, s.frames
+    header = {k: v for k, v in s.header.items() if k != "refs"}
+    return header, [*s.frames[:lead], *map_refs(refs, s.frames[lead:])]
+
+
 def _register_family() -> None:
-    from ..protocol import SAME_HOST, register_serializer
+    from ..protocol import register_serializer
+    from ..protocol.serialize import register_forwarding
 
     register_serializer(object, _same_host_dumps, _same_host_loads, destinations=[SAME_HOST],
                         name="shoal.same-host")
+    # refs in the headers of the families that carry them: before their buffers come
+    # one frame (the pickle) and two (function, arguments: shoal.taskspec) respectively
+    register_forwarding("shoal.same-host", adopt_refs, lambda s, destination: forward_refs(s, destination, 1))
+    register_forwarding("shoal.runspec", adopt_refs, lambda s, destination: forward_refs(s, destination, 2))
 
 
 _register_family()

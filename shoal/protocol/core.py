@@ -37,6 +37,7 @@ from .serialize import (
     Serialized,
     _describe_failure,
     _family_for,
+    _forwarding,
     deserialize as _deserialize,
     sizeof,
 )
@@ -48,6 +49,7 @@ EXT_OOB = 2
 # bytes values larger than this leave the header and travel as their own frame
 INLINE_BYTES_LIMIT = 1 << 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_NO_HOOKS = (None, None)
 
 
 def _default(obj: Any) -> Any:
@@ -109,6 +111,9 @@ class Prepared:
             for i, (value, opaque) in enumerate(self.values):
                 if isinstance(value, Serialized):
                     family, fheader, fframes = value.family, value.header, value.frames
+                    forward = _forwarding.get(family, _NO_HOOKS)[1]
+                    if forward is not None:
+                        fheader, fframes = forward(value, destination)
                     taken: list[Lease] | None = []
                 else:
                     obj = value.data if isinstance(value, Serialize) else value
@@ -287,6 +292,11 @@ def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | N
                 if len(entry) == 5 and leases is not None:
                     leases.extend(entry[4])
             else:
+                if len(entry) == 5 and leases is not None:
+                    # kept serialized: its family may take the side channel over
+                    adopt = _forwarding.get(family, _NO_HOOKS)[0]
+                    if adopt is not None and adopt(s):
+                        leases.extend(entry[4])
                 entries.append(s)
         if pos != len(frames):
             raise ProtocolError(f"{len(frames) - pos} frame(s) not named by the out-of-band table")

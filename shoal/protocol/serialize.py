@@ -90,14 +90,17 @@ class Serialized:
 
     A process that receives one without deserializing (the scheduler) can forward it:
     its frames cross the next hop untouched. ``deserialize(s)`` rebuilds the value.
+    ``keep`` holds what this process keeps alive for the value while it lives (side
+    channel resources its family adopted on receipt, see :func:`register_serializer`).
     """
 
-    __slots__ = ("family", "header", "frames")
+    __slots__ = ("family", "header", "frames", "keep")
 
     def __init__(self, family: str, header: Header, frames: Sequence[Any]):
         self.family = family
         self.header = header
         self.frames = list(frames)
+        self.keep: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +131,10 @@ class _Family:
         self.name = name
         self.dumps = dumps
         self.loads = loads
+
+
+AdoptFn = Callable[["Serialized"], bool]
+ForwardFn = Callable[["Serialized", str], tuple[Header, Frames]]
 
 
 _lock = threading.Lock()
@@ -167,6 +174,28 @@ def register_serializer(
         for dest in dests:
             _by_type[(cls, dest)] = family
         _lookup_cache.clear()
+
+
+#: family name -> (adopt, forward): see :func:`register_forwarding`
+_forwarding: dict[str, tuple[AdoptFn | None, ForwardFn | None]] = {}
+
+
+def register_forwarding(family: str, adopt: AdoptFn | None = None, forward: ForwardFn | None = None) -> None:
+    """Hooks for values of ``family`` that a process carries without deserializing
+    them (a scheduler forwarding a task's payload); such a process need not have the
+    family's ``dumps``/``loads`` at all.
+
+    - ``adopt(serialized) -> bool``: called on receipt of a value that came with leases
+      (:mod:`.leases`) and stays serialized. It may take the side-channel resources
+      over (kept in ``serialized.keep``, ``serialized.header`` rewritten to name them as
+      its own); returning True acknowledges the leases, so that the sender lets go of
+      them. Without it, such leases end by their timeout.
+    - ``forward(serialized, destination) -> (header, frames)``: what to send for such a
+      value to ``destination`` (e.g. the bytes themselves for a peer that cannot reach
+      the side channel). Without it, the value goes as it came.
+    """
+    with _lock:
+        _forwarding[family] = (adopt, forward)
 
 
 def _family_for(obj: Any, destination: str) -> _Family:

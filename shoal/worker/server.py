@@ -178,7 +178,26 @@ class Worker:
         except CommError:
             if self.status == "running":
                 logger.warning("lost the scheduler connection; shutting down")
+                use_shm = self.use_shm
                 await self.close(report=False)
+                if use_shm:
+                    await self._sweep_after(comm)
+
+    async def _sweep_after(self, comm: Comm) -> None:
+        """A scheduler process of this host that died leaves task arguments in segments
+        named after it (:mod:`shoal.taskspec`), which nobody else would remove. Its
+        connection may close a moment before the process is gone: look for a second."""
+        info = comm.peer_info
+        pid = info.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid() or info.get("host") != local_info()["host"]:
+            return
+        for _ in range(20):
+            if shm.process_gone(pid):
+                removed = shm.sweep(pid)
+                if removed:
+                    logger.info("removed %d shared-memory segment(s) of the dead scheduler (pid %d)", removed, pid)
+                return
+            await asyncio.sleep(0.05)
 
     # -- state machine driving
 

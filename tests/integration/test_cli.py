@@ -125,3 +125,51 @@ def test_worker_that_loses_its_scheduler_exits_and_releases_shared_memory(proces
             c.submit(np.full, 8, 1.0, pure=False)
     finally:
         c.close(timeout=10)
+
+
+@pytest.mark.filterwarnings("ignore:a task of .* MB of arguments:UserWarning")
+def test_arguments_from_a_client_in_another_process_are_handed_over_in_shared_memory(processes):
+    import os
+    import signal
+
+    import numpy as np
+
+    from shoal.comm import shm
+    from shoal.testing import wait_for
+
+    def seen(a):
+        """What the task sees of its argument: the first value, whether it may write to
+        it, and the shared-memory files there are while it runs."""
+        import os
+
+        return float(a[0]), bool(a.flags.writeable), sorted(os.listdir("/dev/shm"))
+
+    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    address = sched.stdout.readline().split()[-1]
+    worker = _start(processes, "worker", address, "--nthreads", "1")
+    assert worker.stdout.readline().startswith("shoal worker at ")
+    mine = set(shm.segments_of(os.getpid()))
+    c = shoal.Client(address)
+    try:
+        w_addr = next(iter(c.scheduler_info()["workers"]))
+        a = np.full((4 << 20) // 8, 2.0)
+        x = c.submit(seen, a, pure=False)
+        first, writeable, files = x.result(timeout=30)
+        assert (first, writeable) == (2.0, True)
+        # the scheduler took the client's transfer segment over (it may send the task
+        # again); the client keeps nothing of it
+        assert any(f.startswith(f"shoal-{sched.pid}-") for f in files), files
+        assert set(shm.segments_of(os.getpid())) <= mine
+        assert c.transfer_stats()[w_addr]["shm"] >= a.nbytes
+        del x
+        wait_for(lambda: not shm.segments_of(sched.pid), what="the released task's argument to go")
+        # a scheduler killed while it holds an argument: its worker removes what it left
+        y = c.submit(seen, a, pure=False)
+        y.result(timeout=30)
+        assert shm.segments_of(sched.pid)
+        os.kill(sched.pid, signal.SIGKILL)
+        assert sched.wait(10) == -signal.SIGKILL
+        assert worker.wait(30) == 0
+        assert not shm.segments_of(sched.pid)
+    finally:
+        c.close(timeout=10)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from shoal.comm import shm
-from shoal.protocol import REMOTE, SAME_HOST, Serialized, deserialize, serialize
+from shoal.protocol import REMOTE, SAME_HOST, Serialized, deserialize, serialize, to_serialize
+from shoal.protocol.core import loads, prepare
 from shoal.taskspec import Ref, RunSpec, run
 
 MB = 1 << 20
@@ -124,3 +125,55 @@ def test_shared_memory_turned_off_sends_frames(monkeypatch):
     monkeypatch.setenv("SHOAL_SHM", "0")
     s = serialize(RunSpec(_sum_all, (np.ones(2 * MB // 8),)), SAME_HOST)
     assert not _refs(s)
+
+
+# ----------------------------------------------- handed over to a scheduler that forwards
+
+
+def _sent_by_a_client_of_another_process(big):
+    """A payload as a client whose scheduler is another process writes it: its large
+    arguments in a transfer segment (flag 1) under a lease."""
+    spec = RunSpec(_sum_all, (big,))
+    spec.handoff = True
+    prepared = prepare({"op": "update-graph", "payload": to_serialize(spec)})
+    return prepared, prepared.frames(SAME_HOST)
+
+
+def test_a_forwarding_receiver_adopts_handed_over_arguments_and_acknowledges():
+    big = np.full(2 * MB // 8, 4.0)
+    prepared, frames = _sent_by_a_client_of_another_process(big)
+    (lease,) = prepared.leases
+    (sent,) = [r for r in loads(frames, deserialize=False)["payload"].header["refs"] if r]
+    assert sent[4] == 1
+    acks: list[int] = []
+    s = loads(frames, deserialize=False, leases=acks)["payload"]  # the scheduler's read
+    assert acks == [lease.id]
+    (ref,) = _refs(s)
+    assert ref[4] == 0 and ref[0] != sent[0] and ref[0] in shm.owned()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, sent[0]))  # renamed, not copied
+    lease.end("acknowledged")  # the sender lets go: removing its old name changes nothing
+    assert os.path.exists(os.path.join(shm.SHM_DIR, ref[0]))
+    assert run(deserialize(s), {}) == 4.0 * (2 * MB // 8)  # what a worker does with it
+    del s
+    gc.collect()
+    shm.work_off()
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, ref[0]))  # gone with the payload
+
+
+def test_a_forwarded_payload_goes_to_a_remote_worker_as_frames():
+    big = np.full(2 * MB // 8, 6.0)
+    _, frames = _sent_by_a_client_of_another_process(big)
+    s = loads(frames, deserialize=False, leases=[])["payload"]
+    same_host = loads(prepare({"payload": s}).frames(SAME_HOST), deserialize=False)["payload"]
+    assert _refs(same_host) == _refs(s)  # a same-host worker maps it
+    remote = loads(prepare({"payload": s}).frames(REMOTE), deserialize=False)["payload"]
+    assert "refs" not in remote.header and remote.nbytes >= big.nbytes
+    assert run(deserialize(remote), {}) == 6.0 * (2 * MB // 8)
+
+
+def test_a_decoding_receiver_of_handed_over_arguments_removes_the_name():
+    _, frames = _sent_by_a_client_of_another_process(np.ones(2 * MB // 8))
+    (sent,) = [r for r in loads(frames, deserialize=False)["payload"].header["refs"] if r]
+    spec = loads(frames)["payload"]
+    assert run(spec, {}) == 2 * MB // 8
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, sent[0]))
