@@ -545,31 +545,37 @@ def _decode(obj: OOB, frames: list[Any]) -> Any:
         func = _function_cache.get(key)
         if func is None:
             func = _function_cache[key] = pickle.loads(key)
-        args, kwargs = _ArgsUnpickler(io.BytesIO(frames[1]), buffers=frames[2:]).load()
+        # §4.5: large arguments may lie in shared memory (refs, as in shoal.same-host)
+        buffers = _buffers(obj.header.get("refs"), frames[2:], "runspec-")
+        args, kwargs = _ArgsUnpickler(io.BytesIO(frames[1]), buffers=buffers).load()
         return RunSpec(func, args, kwargs)
     if obj.family == "shoal.same-host":
-        refs = obj.header.get("refs")
-        if not refs:
-            return pickle.loads(frames[0], buffers=frames[1:])
-        rest = iter(frames[1:])
-        buffers: list[Any] = []
-        for ref in refs:
-            if ref is None:  # the next frame
-                buffers.append(next(rest))
-                continue
-            if not isinstance(ref, list) or len(ref) != 6:
-                raise WireError(f"malformed ref {ref!r:.100}")
-            name, size, offset, length, flag, token = ref
-            view = map_segment(name, int(size), token)  # the shared lock, the token (§4.7)
-            buffers.append(view[int(offset):int(offset) + int(length)])
-            if flag == 1:
-                # a transfer segment: ours now that it is mapped; remove its name
-                remove_segment(name)
-                count("transfers-mapped")
-            else:
-                count("refs-mapped")
-        return pickle.loads(frames[0], buffers=buffers)
+        return pickle.loads(frames[0], buffers=_buffers(obj.header.get("refs"), frames[1:]))
     raise WireError(f"unknown family {obj.family!r}")
+
+
+def _buffers(refs: Any, frames: list[Any], what: str = "") -> list[Any]:
+    """The out-of-band buffers a family header's ``refs`` describe (§4.7)."""
+    if not refs:
+        return frames
+    rest = iter(frames)
+    buffers: list[Any] = []
+    for ref in refs:
+        if ref is None:  # the next frame
+            buffers.append(next(rest))
+            continue
+        if not isinstance(ref, list) or len(ref) != 6:
+            raise WireError(f"malformed ref {ref!r:.100}")
+        name, size, offset, length, flag, token = ref
+        view = map_segment(name, int(size), token)  # the shared lock, the token (§4.7)
+        buffers.append(view[int(offset):int(offset) + int(length)])
+        if flag == 1:
+            # a transfer segment: ours now that it is mapped; remove its name
+            remove_segment(name)
+            count(f"{what}transfers-mapped")
+        else:
+            count(f"{what}refs-mapped")
+    return buffers
 
 
 def pickled(value: Any) -> OOB:

@@ -214,6 +214,13 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
                       key=("foreign", 2), workers=here)
         assert f2.result(timeout=30) == (int(arr.sum()), 3)
 
+        # an argument of 1 MiB or more: with shared memory it lies in a segment the
+        # scheduler's process keeps while it knows the task, named in the payload's refs
+        big = np.full((2 << 20) // 8, 3.0)
+        with pytest.warns(UserWarning, match="MB of arguments"):  # the client's advice to scatter
+            f_big = c.submit(lambda x: float(x.sum()), big, workers=here, pure=False)
+        assert f_big.result(timeout=30) == 3.0 * big.size
+
         # an argument wrapped with to_serialize travels pickled inside the payload
         assert c.submit(lambda x: x * 2, shoal.to_serialize(21), workers=here).result(timeout=30) == 42
 
@@ -349,7 +356,7 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
     # every family of §4.5 and §4.7 was decoded, and a payload carried out-of-band buffers
     expected = {"family:pickle", "family:bytes", "family:shoal.runspec", "runspec-buffers"}
     if SHM:
-        expected |= {"family:shoal.same-host", "refs-mapped", "transfers-mapped", "segments-mapped",
+        expected |= {"family:shoal.same-host", "refs-mapped", "transfers-mapped", "segments-mapped", "runspec-refs-mapped",
                      "segments-placed", "lease-ids-received", "acks-sent"}
     assert expected <= {k for k, v in (stats - before).items() if v > 0}, stats - before
     # everyone on this host could open our probe, and we theirs
