@@ -15,7 +15,15 @@ import time
 from typing import Any
 
 from ..registry import Workload
-from .cluster import SYSTEMS, RaySession, _register, _warm_up, consume, open_session
+from .cluster import (
+    SYSTEMS,
+    FuturesSession,
+    RaySession,
+    _register,
+    _warm_up,
+    consume,
+    open_session,
+)
 
 _perf = time.perf_counter
 
@@ -42,13 +50,13 @@ def _args_workload(mb: int, rounds: int) -> Workload:
 task_args_64MB = _args_workload(64, 7)
 
 
-def _task_args(system: str, mb: int, rounds: int) -> dict[str, Any]:
+def _task_args(system: str, mb: int, rounds: int, session: Any = None) -> dict[str, Any]:
     import numpy as np
 
     nbytes = mb << 20
     times: list[float] = []
     writeable: list[bool] = []
-    with open_session(system) as s:
+    with session if session is not None else open_session(system) as s:
         if not isinstance(s, RaySession):
             _warm_up(s)
         target = None if isinstance(s, RaySession) else s.workers[1]
@@ -75,3 +83,102 @@ def _task_args(system: str, mb: int, rounds: int) -> dict[str, Any]:
 
 
 _register(task_args_64MB, SYSTEMS, _task_args)
+
+
+# ------------------------------------------- the scheduler in a process of its own
+
+task_args_64MB_cli = Workload(
+    "task_args_64MB_cli",
+    "task_args_64MB with the scheduler and 2 workers (1 thread each) started from the "
+    "command line as processes of their own (`shoal scheduler` / `shoal worker`; "
+    "`dask scheduler` / `dask worker --nworkers 1`, dashboards off), all on 127.0.0.1, "
+    "and the client in the measuring process: the argument travels client -> "
+    "scheduler -> worker. shoal hands it to the scheduler in a transfer segment that "
+    "the scheduler takes over and the worker maps; dask pickles it into both messages. "
+    "The task is pinned to the second worker to join. (Ray's driver is always a "
+    "process of its own: its task_args_64MB figures are this case.)",
+    metrics={"seconds": "s", "first": "s", "GBps": "GB/s"},
+    params={"mb": 64, "rounds": 7},
+    quick={"mb": 4, "rounds": 2},
+    timeout=600,
+)
+
+
+class CliSession(FuturesSession):
+    """A scheduler and two workers started from the command line, and a client of them
+    in this process."""
+
+    def __init__(self, system: str):
+        import socket
+        import subprocess
+        import sys
+
+        self.system = system
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.client: Any = None
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        address = f"tcp://127.0.0.1:{port}"
+        if system == "shoal":
+            import shoal as module
+
+            sched = [sys.executable, "-m", "shoal", "scheduler", "--host", "127.0.0.1", "--port", str(port)]
+            worker = [sys.executable, "-m", "shoal", "worker", address, "--nthreads", "1"]
+        else:
+            import distributed as module
+
+            sched = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                     "--port", str(port), "--no-dashboard"]
+            worker = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1",
+                      "--nworkers", "1", "--host", "127.0.0.1", "--no-dashboard"]
+        self.module = module
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        try:
+            self.procs.append(subprocess.Popen(sched, **quiet))
+            self.client = module.Client(address, timeout=30)
+            self.workers = []
+            for n in (1, 2):  # one at a time: "worker 1" is the second to join
+                self.procs.append(subprocess.Popen(worker, **quiet))
+                self._wait_workers(n)
+                self.workers += sorted(set(self.client.scheduler_info()["workers"]) - set(self.workers))
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_workers(self, n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.client.scheduler_info()["workers"]) < n:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"the {self.system} processes did not start {n} worker(s)")
+            time.sleep(0.05)  # polling the scheduler, which offers no event for this
+
+    def extra_info(self) -> dict[str, Any]:
+        if self.system != "shoal":
+            return {}
+        stats = self.client.transfer_stats()
+        total = {k: sum(s.get(k, 0) for s in stats.values()) for k in ("inproc", "shm", "tcp")}
+        return {"shoal_bytes_served": ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in total.items())}
+
+    def close(self) -> None:
+        import subprocess
+
+        try:
+            if self.client is not None:
+                self.client.close()
+        finally:
+            for p in self.procs:
+                p.terminate()
+            for p in self.procs:
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+def _task_args_cli(system: str, mb: int, rounds: int) -> dict[str, Any]:
+    return _task_args(system, mb, rounds, session=CliSession(system))
+
+
+_register(task_args_64MB_cli, ("shoal", "dask"), _task_args_cli)

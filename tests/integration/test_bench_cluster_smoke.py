@@ -24,6 +24,7 @@ WORKLOADS = {
     "transfer_512MB": ["consumer", "producer", "memcpy", "consumer_vs_memcpy"],
     "busy_owner": ["busy_owner", "idle_owner", "busy_task"],
     "task_args_64MB": ["seconds", "first", "GBps"],
+    "task_args_64MB_cli": ["seconds", "first", "GBps"],
 }
 
 
@@ -68,15 +69,16 @@ def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
     for name in ("transfer_64MB", "transfer_512MB"):
         info = results[name]["runs"][0]["info"]
         assert info["consumer_writeable"] in ("yes", "no")
-    info = results["task_args_64MB"]["runs"][0]["info"]
-    # the arguments went through shared memory, and the task could write into them
-    assert info["arg_writeable"] == "yes" and "shm=0.0MB" not in info["shoal_bytes_served"], info
+    for name in ("task_args_64MB", "task_args_64MB_cli"):
+        info = results[name]["runs"][0]["info"]
+        # the arguments went through shared memory, and the task could write into them
+        assert info["arg_writeable"] == "yes" and "shm=0.0MB" not in info["shoal_bytes_served"], info
 
 
 def test_cluster_workloads_register_all_systems():
     systems = _registered_systems(WORKLOADS)
     for name in WORKLOADS:
-        expected = ["dask", "shoal"] if name == "tiny_tasks_inprocess" else ["dask", "ray", "shoal"]
+        expected = ["dask", "shoal"] if name in ("tiny_tasks_inprocess", "task_args_64MB_cli") else ["dask", "ray", "shoal"]
         assert systems[name] == expected, (name, systems[name])
 
 
