@@ -102,6 +102,7 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
     that do not describe buffers."""
     buffers: list[Any] = []
     it = iter(frames)
+    views: dict[tuple[str, str], memoryview] = {}  # one mapping per segment and call
     for ref in refs:
         if ref is None:
             try:
@@ -116,7 +117,9 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
             raise ValueError(f"malformed shared-memory reference {ref!r:.200}") from None
         if not isinstance(name, str) or offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"malformed shared-memory reference {ref!r:.200}")
-        view = map_segment(name, size, str(token), own=own)
+        view = views.get((name, str(token)))
+        if view is None or view.nbytes < size:
+            view = views[name, str(token)] = map_segment(name, size, str(token), own=own)
         buffers.append(view[offset : offset + length])
         if flag == 1:
             # a transfer: the mapping is ours now; the name is not needed any more

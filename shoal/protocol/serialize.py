@@ -90,8 +90,9 @@ class Serialized:
 
     A process that receives one without deserializing (the scheduler) can forward it:
     its frames cross the next hop untouched. ``deserialize(s)`` rebuilds the value.
-    ``keep`` holds what this process keeps alive for the value while it lives (side
-    channel resources its family adopted on receipt, see :func:`register_serializer`).
+    ``keep``, set only when something was adopted, holds what this process keeps alive
+    for the value while it lives (side-channel resources taken over on receipt, see
+    :func:`register_forwarding`); unset, it is not part of the pickled state.
     """
 
     __slots__ = ("family", "header", "frames", "keep")
@@ -100,7 +101,6 @@ class Serialized:
         self.family = family
         self.header = header
         self.frames = list(frames)
-        self.keep: Any = None
 
     @property
     def nbytes(self) -> int:

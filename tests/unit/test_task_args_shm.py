@@ -177,3 +177,18 @@ def test_a_decoding_receiver_of_handed_over_arguments_removes_the_name():
     spec = loads(frames)["payload"]
     assert run(spec, {}) == 2 * MB // 8
     assert not os.path.exists(os.path.join(shm.SHM_DIR, sent[0]))
+
+
+@pytest.mark.parametrize("handoff", [False, True], ids=["kept", "handed-over"])
+def test_several_large_arguments_share_one_segment_mapped_once(handoff):
+    a, b = np.full(2 * MB // 8, 1.0), np.full(3 * MB // 8, 2.0)
+    spec = RunSpec(_sum_all, (a, b))
+    spec.handoff = handoff
+    s = loads(prepare({"p": to_serialize(spec)}).frames(SAME_HOST), deserialize=False)["p"]
+    refs = _refs(s)
+    assert len(refs) == 2 and refs[0][0] == refs[1][0] and refs[0][4] == refs[1][4] == int(handoff)
+    got = deserialize(s)
+    assert run(got, {}) == _sum_all(a, b)
+    # both arguments are views of one mapping: as far apart as in the segment
+    address = [x.__array_interface__["data"][0] for x in got.args]
+    assert address[1] - address[0] == refs[1][2] - refs[0][2]
