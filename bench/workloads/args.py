@@ -23,6 +23,7 @@ from .cluster import (
     _warm_up,
     consume,
     open_session,
+    shoal_bytes_served,
 )
 
 _perf = time.perf_counter
@@ -154,11 +155,7 @@ class CliSession(FuturesSession):
             time.sleep(0.05)  # polling the scheduler, which offers no event for this
 
     def extra_info(self) -> dict[str, Any]:
-        if self.system != "shoal":
-            return {}
-        stats = self.client.transfer_stats()
-        total = {k: sum(s.get(k, 0) for s in stats.values()) for k in ("inproc", "shm", "tcp")}
-        return {"shoal_bytes_served": ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in total.items())}
+        return shoal_bytes_served(self.client) if self.system == "shoal" else {}
 
     def close(self) -> None:
         import subprocess

@@ -196,9 +196,7 @@ class ShoalSession(FuturesSession):
             raise
 
     def extra_info(self) -> dict[str, Any]:
-        stats = self.client.transfer_stats()
-        total = {k: sum(s.get(k, 0) for s in stats.values()) for k in ("inproc", "shm", "tcp")}
-        return {"shoal_bytes_served": ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in total.items())}
+        return shoal_bytes_served(self.client)
 
     def close(self) -> None:
         try:
@@ -206,6 +204,13 @@ class ShoalSession(FuturesSession):
                 self.client.close()
         finally:
             self.cluster.close()
+
+
+def shoal_bytes_served(client: Any) -> dict[str, str]:
+    """The bytes a shoal client's workers moved, by way (info of a run)."""
+    stats = client.transfer_stats()
+    total = {k: sum(s.get(k, 0) for s in stats.values()) for k in ("inproc", "shm", "tcp")}
+    return {"shoal_bytes_served": ", ".join(f"{k}={v / 1e6:.1f}MB" for k, v in total.items())}
 
 
 class DaskSession(FuturesSession):
