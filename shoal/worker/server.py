@@ -21,7 +21,7 @@ from typing import Any
 
 from ..comm import Comm, connect
 from ..comm.core import local_info
-from ..errors import CommError
+from ..errors import CommError, SerializationError
 from .. import config
 from ..comm import shm, shm_family
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
@@ -178,10 +178,9 @@ class Worker:
         except CommError:
             if self.status == "running":
                 logger.warning("lost the scheduler connection; shutting down")
-                use_shm = self.use_shm
+                if self.use_shm:
+                    await self._sweep_after(comm)  # before closing: the process may exit then
                 await self.close(report=False)
-                if use_shm:
-                    await self._sweep_after(comm)
 
     async def _sweep_after(self, comm: Comm) -> None:
         """A scheduler process of this host that died leaves task arguments in segments
@@ -297,6 +296,13 @@ class Worker:
                 raise
             finally:
                 self.pool.reuse(inst.worker, comm)
+            if isinstance(response, dict) and response.get("type") == _UNSENDABLE:
+                # the peer is fine; its values cannot travel: asking again would not help
+                text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
+                destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+                self._apply(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
+                                                  text, _exception_for(SerializationError(text), destination)))
+                return
             if not isinstance(response, dict) or response.get("status") != "OK":
                 raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
             data = response["result"]["data"]
@@ -454,6 +460,10 @@ def _exception_for(exc: BaseException, destination: str) -> Any:
         return serialize(exc, destination)
     except Exception:
         return None
+
+
+#: the error type of a get-data answer whose values could not be serialized
+_UNSENDABLE = f"{SerializationError.__module__}.{SerializationError.__qualname__}"
 
 
 def _nbytes_of(frame: Any) -> int:

@@ -151,6 +151,9 @@ class GatherDepFailureEvent(Event):
     worker: str
     requested: list[Key]
     text: str = ""
+    #: the peer answered, but cannot send these values here (they do not serialize):
+    #: the error (as it travels in ``task-erred``) for the tasks that need them
+    unsendable: Any = None
 
 
 @dataclass
@@ -381,6 +384,9 @@ class WorkerState:
                 self._missing_on(ts, ev.worker)
 
     def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
+        if ev.unsendable is not None:
+            self._unsendable(ev)
+            return
         if ev.worker == SHM:
             for ts in sorted(self.in_flight_workers.pop(SHM, set())):
                 if ts.state == "flight":
@@ -399,6 +405,22 @@ class WorkerState:
                 ts.who_has.discard(ev.worker)
                 if ts.state == "fetch" and not ts.who_has:
                     self._lose(ts)
+
+    def _unsendable(self, ev: GatherDepFailureEvent) -> None:
+        """The holder is fine, its values are not: asking again (or another holder, or
+        computing them again) would fail the same way. The tasks here that need them err
+        with the reason; the values stay where they are."""
+        for ts in sorted(self.in_flight_workers.pop(ev.worker, set())):
+            if ts.state != "flight":
+                continue
+            ts.coming_from = None
+            for dts in sorted(d for d in ts.dependents if d.state == "waiting"):
+                if self.tasks.get(dts.key) is dts:
+                    self._send({"op": "task-erred", "key": dts.key, "exception": ev.unsendable,
+                                "traceback": "", "text": ev.text})
+                    self._release(dts)
+            if self.tasks.get(ts.key) is ts and not ts.dependents:
+                self._release(ts)
 
     def _update_data(self, ev: UpdateDataEvent) -> None:
         for key, value in ev.data.items():

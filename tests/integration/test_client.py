@@ -252,6 +252,27 @@ def test_result_that_cannot_be_serialized_is_a_clear_error(cluster):
         assert c.submit(inc, 1, pure=False).result(timeout=10) == 2
 
 
+def _type_name(value):
+    return type(value).__name__
+
+
+def test_a_task_whose_input_cannot_travel_to_its_worker_errs_clearly(cluster):
+    """A value that does not serialize, needed on another worker: the task that needs
+    it fails with the reason (it used to be fetched, recomputed and fetched forever)."""
+    a, b = cluster.worker_addresses
+    with shoal.Client(cluster) as c:
+        x = c.submit(threading.Lock, workers=[a], pure=False)
+        y = c.submit(_type_name, x, workers=[b])
+        if cluster.processes:
+            with pytest.raises(SerializationError, match=r"cannot send .* here: .*lock"):
+                y.result(timeout=30)
+            assert x.status == "finished"  # the value stays where it is, usable there
+            assert c.submit(_type_name, x, workers=[a], pure=False).result(timeout=30) == "lock"
+        else:
+            assert y.result(timeout=30) == "lock"
+        assert c.submit(inc, 1, workers=[b], pure=False).result(timeout=10) == 2
+
+
 def test_small_results_come_back_with_their_report(client):
     """A small value a client waits for travels with task-finished: gathering it asks no worker."""
     before = client.transfer_stats()

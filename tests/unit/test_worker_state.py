@@ -313,6 +313,19 @@ def test_gather_failure_gives_back_tasks_whose_inputs_had_no_other_holder() -> N
     assert w.state.tasks == {}
 
 
+def test_values_a_peer_cannot_send_fail_the_tasks_that_need_them() -> None:
+    w = Wk(nthreads=2)
+    w(w.compute_event("t1", {"a": ["p1", "p2"]}), w.compute_event("t2", {"a": ["p1", "p2"], "c": ["p3"]}))
+    w.gathered("p3", {"c": 3}, ["c"])
+    out = w(GatherDepFailureEvent(w.sid(), "p1", ["a"], "p1 cannot send ['a'] here: cannot pickle",
+                                  unsendable="the error"))
+    # no other holder is asked and nothing is given back: the same value fails the same way
+    assert sorted(ops(out)) == [("task-erred", "t1"), ("task-erred", "t2")]
+    assert all(m["exception"] == "the error" and "cannot pickle" in m["text"] for m in sent(out))
+    assert gathers(out) == [] and w.state.tasks == {} and w.state.data == {}
+    assert not w.state.in_flight_workers
+
+
 def test_a_late_gather_reply_for_dropped_keys_is_ignored(w: Wk) -> None:
     w.compute("t", {"a": ["p1"]})
     w.free("t")
