@@ -572,12 +572,19 @@ _maps: dict[str, tuple[weakref.ref[mmap.mmap], str]] = {}
 _ranges: dict[str, tuple[int, int, str]] = {}
 
 
-def map_segment(name: str, size: int, token: str, own: bool = False) -> memoryview:
+#: a worker process keeps the transfer segments it receives (renamed to names of its
+#: own, see :func:`map_segment`), so that its peers map them too
+adopt_transfers = False
+
+
+def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool = False) -> memoryview:
     """A copy-on-write view of segment ``name`` holding generation ``token`` (one
     mapping per segment and process, alive while any value uses it; with ``own``, a
     mapping of its own, whose writes no other user of the segment in this process
-    sees: a task's arguments). Raises ``FileNotFoundError`` if it is gone or now holds
-    something else."""
+    sees: a task's arguments). With ``adopt`` (a transfer segment sent to this
+    process) the file is renamed to a name of this process, which it keeps while the
+    mapping lives and then retires to its pool; :func:`locate` gives the new name.
+    Raises ``FileNotFoundError`` if it is gone or now holds something else."""
     if not own:
         with _lock:
             entry = _maps.get(name)
@@ -596,6 +603,15 @@ def map_segment(name: str, size: int, token: str, own: bool = False) -> memoryvi
         if os.fstat(fd).st_size < size:
             raise ValueError(f"segment {name} is smaller than described")
         m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if adopt:
+            new = _new_name()
+            try:
+                os.rename(_path(name), _path(new))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"segment {name} went away while it was mapped") from None
+            with _lock:
+                _owned.add(new)
+            name = new
     except BaseException:
         os.close(fd)
         raise
@@ -605,19 +621,21 @@ def map_segment(name: str, size: int, token: str, own: bool = False) -> memoryvi
         return view
     start = _address(view)
     with _lock:
-        _maps[name] = (weakref.ref(m, lambda _r, name=name, fd=fd: _forget(name, fd)), token)
+        _maps[name] = (weakref.ref(m, lambda _r, name=name, fd=fd: _forget(name, fd, size if adopt else -1)), token)
         if start is not None:
             _ranges[name] = (start, start + size, token)
     return view
 
 
-def _forget(name: str, fd: int) -> None:
+def _forget(name: str, fd: int, retire_size: int = -1) -> None:
     os.close(fd)  # the mapping is gone: release our shared lock
     with _lock:
         entry = _maps.get(name)
         if entry is not None and entry[0]() is None:
             del _maps[name]
             _ranges.pop(name, None)
+    if retire_size >= 0:
+        retire_later(name, retire_size)  # an adopted segment: nobody here uses it now
 
 
 def _address(view: memoryview) -> int | None:
@@ -685,6 +703,8 @@ def _forget_parent_segments() -> None:
     _born_names.clear()
     _freed.clear()
     _retiring.clear()
+    global adopt_transfers
+    adopt_transfers = False
 
 
 os.register_at_fork(after_in_child=_forget_parent_segments)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..protocol import SAME_HOST
+from . import shm as _shm
 from .shm import (
     _DATA_OFFSET,
     _HEADER,
@@ -117,12 +118,14 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
             raise ValueError(f"malformed shared-memory reference {ref!r:.200}") from None
         if not isinstance(name, str) or offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"malformed shared-memory reference {ref!r:.200}")
+        # a transfer (flag 1) is ours once mapped: a worker keeps it under a name of its
+        # own (its peers may map it then); any other process removes the name
+        adopt = flag == 1 and not own and _shm.adopt_transfers
         view = views.get((name, str(token)))
         if view is None or view.nbytes < size:
-            view = views[name, str(token)] = map_segment(name, size, str(token), own=own)
+            view = views[name, str(token)] = map_segment(name, size, str(token), own=own, adopt=adopt)
         buffers.append(view[offset : offset + length])
-        if flag == 1:
-            # a transfer: the mapping is ours now; the name is not needed any more
+        if flag == 1 and not adopt:
             try:
                 os.unlink(_path(name))
             except FileNotFoundError:

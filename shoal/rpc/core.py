@@ -176,6 +176,9 @@ class Server:
                 response = error_message(exc)
             if reply and not await self._reply(comm, response):
                 return
+            # the connection may now idle for long: hold no request or value meanwhile
+            # (a released value would live on here, and its shared memory with it)
+            msg = result = response = None
 
     async def _call(self, handler: HandlerFn, comm: Comm, msg: dict[str, Any], op: str) -> Any:
         try:

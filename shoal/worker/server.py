@@ -116,6 +116,8 @@ class Worker:
         self.scheduler_comm = comm
         # results go to shared memory when this worker is a process of its own
         self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
+        if self.use_shm:
+            shm.adopt_transfers = True  # values sent here (scatter, fetches) stay mappable
         threshold = config.get("shm-alloc-threshold")
         self._born_in_shm = self.use_shm and threshold > 0 and shm.enable_array_allocator(threshold)
         if self.use_shm and config.get("shm-pool-idle") > 0:
@@ -130,6 +132,7 @@ class Worker:
         """Give back the memory of retired segments that sat unused for ``idle`` seconds."""
         while True:
             await asyncio.sleep(idle / 2)
+            shm.work_off()
             shm.trim_pool(idle)
 
     def _task_thread_started(self) -> None:
@@ -175,6 +178,8 @@ class Worker:
                     except (KeyError, TypeError, ValueError) as exc:
                         logger.error("malformed message from the scheduler (%s): %.200r", exc, msg)
                 self._apply_logged(events)
+                if self.use_shm:
+                    shm.work_off()  # segments of values freed just now go back to the pool
         except CommError:
             if self.status == "running":
                 logger.warning("lost the scheduler connection; shutting down")

@@ -282,16 +282,16 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
         assert c.submit(lambda x: int(x.sum()), s_here, workers=here).result(timeout=30) == int(arr2.sum())
 
         # scatter to the Python worker, then a foreign task that needs it: the Python
-        # worker's copy lies in a transfer segment whose name is gone, so get-data sends
-        # it as a new transfer with a lease, which the foreign worker acknowledges
+        # worker kept the transfer segment the value came in under a name of its own
+        # (§4.7), so get-data names it (a flag-0 ref, no lease) and nothing is copied
         arr3 = np.arange(400_000, dtype="int64") * 3
         [s_there] = c.scatter([arr3], workers=there)
         mid = stats.copy()
         assert c.submit(lambda x: int(x[::2].sum()), s_there, workers=here).result(timeout=30) == int(arr3[::2].sum())
         if SHM:
-            assert stats["transfers-mapped"] > mid["transfers-mapped"]
-            assert stats["acks-sent"] > mid["acks-sent"]
-            assert stats["lease-ids-received"] > mid["lease-ids-received"]
+            assert stats["refs-mapped"] > mid["refs-mapped"]
+            assert stats["transfers-mapped"] == mid["transfers-mapped"]
+            assert stats["lease-ids-received"] == mid["lease-ids-received"]
 
         # requests of our own to the Python worker, on one connection
         with Connection(py_address, "doc-test", shm=SHM) as conn:
@@ -308,15 +308,16 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
                 # the segment is still there, with the header of the ref's token (§4.7)
                 with open(os.path.join(SHM_DIR, ref[0]), "rb") as f:
                     assert f.read(SEG_HEADER) == segment_header(ref[5])
-            # a transfer with a lease: mapped, its name removed, acknowledged
+            # the scattered value: a flag-0 ref to the segment the worker kept, named
+            # after its own process
             entry = conn.call("get-data", keys=[s_there.key])["result"]["data"][s_there.key]
             acks = []
             assert (value_of(entry, acks) == arr3).all()
             if SHM:
-                assert entry.family == "shoal.same-host" and entry.lease_ids and acks == entry.lease_ids
+                assert entry.family == "shoal.same-host" and not entry.lease_ids and not acks
                 [ref] = entry.header["refs"]
-                assert len(ref) == 6 and ref[4] == 1 and ref[2] >= SEG_HEADER
-                assert not os.path.exists(os.path.join(SHM_DIR, ref[0]))
+                assert len(ref) == 6 and ref[4] == 0 and ref[0].startswith(f"shoal-{py_proc.pid}-")
+                assert os.path.exists(os.path.join(SHM_DIR, ref[0]))
             conn.ack(acks)
             # the acknowledgment is not a request: no response, and the connection serves on
             ident = conn.call("identity")

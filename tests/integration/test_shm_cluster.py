@@ -258,3 +258,25 @@ def test_shared_memory_can_be_turned_off(monkeypatch):
         assert stats[a_addr]["shm"] == 0 and stats[b_addr]["shm"] == 0
         assert stats[a_addr]["tcp"] >= 2 * MB
         assert not shm.segments_of(pids[a_addr])
+
+
+def _segment_of(value):
+    """The name of the segment ``value``'s buffer lies in, in the process running this."""
+    from shoal.comm import shm as here
+
+    where = here.locate(memoryview(value).cast("B"))
+    return None if where is None else where[0]
+
+
+def test_a_scattered_value_is_mapped_by_the_holders_peers(client, cluster):
+    a_addr, b_addr = cluster.worker_addresses
+    pid_a = _pids(client)[a_addr]
+    [x] = client.scatter([np.full(4 * MB // 8, 9.0)], workers=[a_addr])
+    # the worker keeps the segment the value came in, under a name of its own ...
+    on_a = client.submit(_segment_of, x, workers=[a_addr], pure=False).result(timeout=30)
+    assert on_a is not None and on_a.startswith(f"shoal-{pid_a}-")
+    # ... which its peer maps: no copy of the value is made for it
+    assert client.submit(_segment_of, x, workers=[b_addr], pure=False).result(timeout=30) == on_a
+    assert client.submit(total, x, workers=[b_addr]).result(timeout=30) == 9.0 * (4 * MB // 8)
+    del x
+    wait_for(lambda: on_a not in shm.segments_of(pid_a), what="the released value's segment to go")
