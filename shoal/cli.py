@@ -15,7 +15,8 @@ __all__ = ["main"]
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    return demo.main(n=args.n, block=args.block, chunks=args.chunks, chunk_size=args.chunk_size)
+    return demo.main(n=args.n, block=args.block, chunks=args.chunks, chunk_size=args.chunk_size,
+                     arg_mb=args.arg_mb)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--block", type=int, default=500, help="tile size")
     demo.add_argument("--chunks", type=int, default=16)
     demo.add_argument("--chunk-size", type=int, default=1_000_000)
+    demo.add_argument("--arg-mb", type=int, default=64, help="size of the array passed as a task argument")
     demo.set_defaults(func=_demo)
     check = sub.add_parser("selfcheck", help="check the transports: round trips and a large array")
     check.add_argument("--size-mb", type=int, default=64)

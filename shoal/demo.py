@@ -1,4 +1,5 @@
-"""``shoal demo``: a blocked matrix product and a map-reduce on a local cluster.
+"""``shoal demo``: a blocked matrix product, a map-reduce and a large task argument on
+a local cluster.
 
 Run it as ``shoal demo``. The same code in a script of your own needs no
 ``if __name__ == "__main__":`` guard on shoal's account: worker processes are started
@@ -8,6 +9,7 @@ as ``python -m shoal worker``, not by forking or spawning your script.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 __all__ = ["main"]
@@ -73,6 +75,26 @@ def map_reduce(client: Any, chunks: int, size: int) -> tuple[float, Any]:
     return time.perf_counter() - t0, counts
 
 
+def column_sums(x: Any) -> Any:
+    return x.sum(axis=0)
+
+
+def large_argument(client: Any, mb: int) -> tuple[float, bool]:
+    """Pass a ``mb`` MB array made here to a task as its argument (no scatter); returns
+    (seconds, whether the task's result matches numpy's here)."""
+    import numpy as np
+
+    x = np.random.default_rng(7).random(((mb << 20) // 8 // 1000, 1000))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        # the client's advice to scatter large arguments is for arrays that several
+        # tasks use; this one goes to a single task
+        warnings.simplefilter("ignore", UserWarning)
+        future = client.submit(column_sums, x, pure=False)
+    sums = future.result()
+    return time.perf_counter() - t0, bool(np.allclose(sums, x.sum(axis=0)))
+
+
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -81,7 +103,7 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_000_000) -> int:
+def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_000_000, arg_mb: int = 64) -> int:
     import numpy as np
 
     from . import Client, LocalCluster
@@ -106,6 +128,9 @@ def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_
             mean = float((counts * centers).sum() / total)
             print(f"map-reduce: histogram of {chunks} x {chunk_size:,} normal samples: {total:,} of "
                   f"{chunks * chunk_size:,} within +-4, mean ~ {mean:+.3f}, in {secs:.2f} s")
+            secs, ok = large_argument(client, arg_mb)
+            print(f"a {arg_mb} MB array passed to a task as its argument: column sums "
+                  f"{'agree with numpy' if ok else 'DIFFER from numpy'}, in {secs * 1e3:.0f} ms")
             stats = client.transfer_stats()
             moved = {k: sum(s[k] for s in stats.values()) for k in ("inproc", "shm", "tcp")}
             print("values moved: " + ", ".join(f"{_fmt_bytes(v)} {name}" for name, v in

@@ -369,7 +369,11 @@ class Worker:
         self.transfers["tcp"] += max(nbytes - mapped, 0)
 
     def _count_payload(self, payload: Any) -> None:
-        """A task's argument buffers count as moved: mapped, or in frames over tcp."""
+        """A task's arguments count as moved: by reference (in this process), or their
+        buffers mapped, or in frames over tcp."""
+        if type(payload) is Serialize and type(payload.data) is RunSpec:
+            self.transfers["inproc"] += payload.data.nbytes
+            return
         if type(payload) is not Serialized or payload.family != "shoal.runspec":
             return
         refs = payload.header.get("refs") if isinstance(payload.header, dict) else None

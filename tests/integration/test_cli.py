@@ -83,10 +83,11 @@ def test_selfcheck_runs():
 
 def test_demo_runs_and_checks_its_results():
     p = subprocess.run([sys.executable, "-m", "shoal", "demo", "--n", "400", "--block", "100",
-                        "--chunks", "4", "--chunk-size", "10000"],
+                        "--chunks", "4", "--chunk-size", "10000", "--arg-mb", "4"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("matches numpy") == 2
+    assert p.stdout.count("a 4 MB array passed to a task as its argument: column sums agree with numpy") == 2
     counted = re.findall(r"([\d,]+) of 40,000 within", p.stdout)
     assert len(counted) == 2 and all(39_900 < int(c.replace(",", "")) <= 40_000 for c in counted)
     assert "by reference" in p.stdout and "over tcp" in p.stdout
