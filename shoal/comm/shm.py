@@ -289,15 +289,23 @@ def retire(name: str, size: int) -> None:
     _retire(name, size)
 
 
-def adopt_segment(name: str) -> str | None:
+def adopt_segment(name: str, token: str) -> str | None:
     """Make another process's transfer segment this process's own: rename it to a
     name of ours (its sender then cannot remove it); the new name, or ``None`` if it
-    is gone."""
+    is gone or holds something else than generation ``token``."""
     try:
-        new = _new_name()
-        os.rename(_path(name), _path(new))
+        fd = os.open(_path(name), os.O_RDONLY)
     except (OSError, ValueError):
         return None
+    try:
+        if os.pread(fd, _HEADER, 0) != _header(token):
+            return None
+        new = _new_name()
+        os.rename(_path(name), _path(new))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     with _lock:
         _owned.add(new)
     return new

@@ -226,7 +226,7 @@ def adopt_refs(s: Any) -> bool:
             continue
         old = ref[0]
         if old not in renamed:
-            new = adopt_segment(old)
+            new = adopt_segment(old, str(ref[5]))
             if new is None:
                 continue
             renamed[old] = new

@@ -192,3 +192,16 @@ def test_several_large_arguments_share_one_segment_mapped_once(handoff):
     # both arguments are views of one mapping: as far apart as in the segment
     address = [x.__array_interface__["data"][0] for x in got.args]
     assert address[1] - address[0] == refs[1][2] - refs[0][2]
+
+
+def test_a_ref_whose_file_holds_something_else_is_not_adopted():
+    _, frames = _sent_by_a_client_of_another_process(np.ones(2 * MB // 8))
+    (sent,) = [r for r in loads(frames, deserialize=False)["payload"].header["refs"] if r]
+    with open(os.path.join(shm.SHM_DIR, sent[0]), "r+b") as f:
+        f.write(b"SHOALSEG" + b"f" * 16)  # another generation now
+    acks: list[int] = []
+    s = loads(frames, deserialize=False, leases=acks)["payload"]
+    assert acks == [] and _refs(s)[0][0] == sent[0]  # left alone, and not acknowledged
+    with pytest.raises(FileNotFoundError):
+        deserialize(s)
+    shm.unlink(sent[0])
