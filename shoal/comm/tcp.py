@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -451,10 +452,11 @@ class TCPListener(Listener):
         self.handler = handler
         self.deserialize = deserialize
         self.server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
             lambda: _FrameProtocol(self._on_connection),
             self.host or None,
@@ -483,8 +485,28 @@ class TCPListener(Listener):
         await run_handler(self.handler, comm)
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        """Stop accepting connections; callable from any thread (the server belongs to
+        the loop that started it, and is closed there)."""
+        server, loop = self.server, self._loop
+        if server is None:
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or here is loop or loop.is_closed() or not loop.is_running():
+            server.close()
+            return
+        closed = threading.Event()
+
+        def close() -> None:
+            try:
+                server.close()
+            finally:
+                closed.set()
+
+        loop.call_soon_threadsafe(close)
+        closed.wait(10)
 
     @property
     def listen_address(self) -> str:
