@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -195,20 +196,22 @@ def _placed(spec: RunSpec, raws: list[memoryview]) -> Any:
     and kept with the spec (a resend, to another worker after a loss, copies nothing)."""
     from .comm import shm_family
 
-    placed = spec._placed
-    if placed is not None and len(placed.refs) == len(raws):
+    with _placing:  # two sends at once (threads of a transport) place it once
+        placed = spec._placed
+        if placed is not None and len(placed.refs) == len(raws):
+            return placed
+        try:
+            placed = shm_family.place_buffers(raws)
+        except shm_family.ShmUnavailable as exc:
+            if not _shm_warned:
+                _shm_warned.append(True)
+                logger.warning("task arguments: %s", exc)
+            return None
+        spec._placed = placed
         return placed
-    try:
-        placed = shm_family.place_buffers(raws)
-    except shm_family.ShmUnavailable as exc:
-        if not _shm_warned:
-            _shm_warned.append(True)
-            logger.warning("task arguments: %s", exc)
-        return None
-    spec._placed = placed
-    return placed
 
 
+_placing = threading.Lock()
 _shm_warned: list[bool] = []
 
 
