@@ -213,6 +213,10 @@ class Client(DaskCollections):
                 pass
         if self._pool is not None:
             await self._pool.close()
+        if self._hand_over:
+            # segments the scheduler gave back for reuse: nothing will reuse them now
+            shm.reclaim_returned()
+            shm.drain_pool()
         self._mark_closed()
         if self._own_cluster and self.cluster is not None:
             await self.cluster._close()

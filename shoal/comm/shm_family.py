@@ -28,8 +28,10 @@ from .shm import (
     _path,
     adopt_segment,
     enabled,
+    give_back_later,
     locate,
     map_segment,
+    reclaim_returned,
     retire_later,
     unlink,
     work_off,
@@ -172,6 +174,8 @@ def hand_over_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_
     it should the receiver neither map nor adopt it."""
     from ..protocol import leases
 
+    if any(r.nbytes >= min_bytes for r in raws) and enabled():
+        reclaim_returned()  # segments the receiver gave back: their pages are there
     placed = _copy_big(raws, min_bytes, _HEADER, flag=1)
     if placed is None:
         return None
@@ -233,18 +237,25 @@ def adopt_refs(s: Any) -> bool:
         ref[0], ref[4] = renamed[old], 0
     if not renamed:
         return False
-    s.keep = [_Held(name) for name in renamed.values()]
+    s.keep = [_Held(new, _maker(old)) for old, new in renamed.items()]
     return True
 
 
+def _maker(name: str) -> int | None:
+    """The pid a segment name says made it (``shoal-<pid>-...``), if it says one."""
+    pid = name[len("shoal-"):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 class _Held:
-    """A segment this process adopted for a value it keeps serialized: removed when
-    the value is gone (not pooled: a process that forwards values makes none)."""
+    """A segment this process adopted for a value it keeps serialized: when the value
+    is gone, given back to the process that made it (a client of this scheduler, for
+    its next arguments: no fresh pages) or removed."""
 
     __slots__ = ("__weakref__",)
 
-    def __init__(self, name: str):
-        weakref.finalize(self, retire_later, name, 0, False).atexit = False
+    def __init__(self, name: str, maker: int | None):
+        weakref.finalize(self, give_back_later, name, maker).atexit = False
 
 
 def forward_refs(s: Any, destination: str, lead: int) -> tuple[dict[str, Any], list[Any]]:

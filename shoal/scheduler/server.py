@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import logging
 from typing import Any
 
@@ -227,6 +228,12 @@ class Scheduler:
 
     async def add_client(self, comm: Comm, client: str, **_: Any) -> None:
         await comm.write({"status": "OK", "address": self.address})
+        # a client process of this host gets back the segments it handed its tasks'
+        # arguments over in, once the tasks are forgotten (its next ones reuse them)
+        pid = comm.peer_info.get("pid")
+        same_host = isinstance(pid, int) and pid != os.getpid() and comm.peer_info.get("host") == local_info()["host"]
+        if same_host:
+            shm.return_to.add(pid)
         stream = BatchedSend(name=f"to-{client}")
         stream.start(comm)
         self.client_streams[client] = stream
@@ -242,14 +249,21 @@ class Scheduler:
                         self._client_msg(client, msg)
                     except (KeyError, TypeError, ValueError) as exc:
                         logger.error("client %s sent a malformed message (%s): %.200r", client, exc, msg)
+                if same_host:
+                    shm.work_off()  # arguments of tasks forgotten just now go back at once
                 if closing:
                     break
         except CommError:
             pass
         finally:
             self.client_streams.pop(client, None)
+            if same_host:
+                shm.return_to.discard(pid)
             self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
             await stream.close()
+            if same_host and shm.process_gone(pid):
+                shm.work_off()
+                shm.sweep(pid)  # what was given back to it and never taken in
 
     def _client_msg(self, client: str, msg: Any) -> None:
         if not isinstance(msg, dict):

@@ -162,15 +162,22 @@ def test_arguments_from_a_client_in_another_process_are_handed_over_in_shared_me
         assert any(f.startswith(f"shoal-{sched.pid}-") for f in files), files
         assert set(shm.segments_of(os.getpid())) <= mine
         assert c.transfer_stats()[w_addr]["shm"] >= a.nbytes
+        [held] = [f for f in files if f.startswith(f"shoal-{sched.pid}-")]
+        inode = os.stat(os.path.join(shm.SHM_DIR, held)).st_ino
         del x
         wait_for(lambda: not shm.segments_of(sched.pid), what="the released task's argument to go")
+        # it went back to this process, whose next argument of that size reuses it
+        [returned] = [n for n in shm.segments_of(os.getpid()) if n not in mine]
+        assert os.stat(os.path.join(shm.SHM_DIR, returned)).st_ino == inode
         # a scheduler killed while it holds an argument: its worker removes what it left
         y = c.submit(seen, a, pure=False)
         y.result(timeout=30)
-        assert shm.segments_of(sched.pid)
+        [held] = shm.segments_of(sched.pid)
+        assert os.stat(os.path.join(shm.SHM_DIR, held)).st_ino == inode
         os.kill(sched.pid, signal.SIGKILL)
         assert sched.wait(10) == -signal.SIGKILL
         assert worker.wait(30) == 0
         assert not shm.segments_of(sched.pid)
     finally:
         c.close(timeout=10)
+    assert set(shm.segments_of(os.getpid())) <= mine  # nothing of ours is left behind

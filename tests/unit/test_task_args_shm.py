@@ -205,3 +205,22 @@ def test_a_ref_whose_file_holds_something_else_is_not_adopted():
     with pytest.raises(FileNotFoundError):
         deserialize(s)
     shm.unlink(sent[0])
+
+
+def test_an_adopted_segment_goes_back_to_its_maker_for_its_next_arguments(monkeypatch):
+    monkeypatch.setattr(shm, "return_to", {os.getpid()})  # the maker is a client of ours
+    big = np.full(2 * MB // 8, 4.0)
+    _, frames = _sent_by_a_client_of_another_process(big)
+    s = loads(frames, deserialize=False, leases=[])["payload"]
+    (ref,) = _refs(s)
+    inode = os.stat(os.path.join(shm.SHM_DIR, ref[0])).st_ino
+    del s  # the scheduler forgets the task
+    gc.collect()
+    shm.work_off()
+    (returned,) = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"shoal-{os.getpid()}-ret")]
+    # the maker's next hand-over takes it in and fills it: the same pages, no new ones
+    _, frames = _sent_by_a_client_of_another_process(big)
+    (sent,) = [r for r in loads(frames, deserialize=False)["payload"].header["refs"] if r]
+    assert os.stat(os.path.join(shm.SHM_DIR, sent[0])).st_ino == inode
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, returned))
+    shm.unlink(sent[0])
