@@ -175,8 +175,8 @@ def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], lis
 
 
 def _handed_over(raws: list[memoryview]) -> Any:
-    """The large buffers in transfer segments for the receiver to take over (the
-    scheduler adopts them; a worker maps them and removes the names)."""
+    """The large buffers in a transfer segment for the receiver to take over (the
+    scheduler adopts it; a worker would map it and remove the name)."""
     from .comm import shm_family
     from .protocol import leases
 
@@ -185,9 +185,7 @@ def _handed_over(raws: list[memoryview]) -> Any:
     try:
         return shm_family.hand_over_buffers(raws)
     except shm_family.ShmUnavailable as exc:
-        if not _shm_warned:
-            _shm_warned.append(True)
-            logger.warning("task arguments: %s", exc)
+        _warn_once(exc)
         return None
 
 
@@ -203,9 +201,7 @@ def _placed(spec: RunSpec, raws: list[memoryview]) -> Any:
         try:
             placed = shm_family.place_buffers(raws)
         except shm_family.ShmUnavailable as exc:
-            if not _shm_warned:
-                _shm_warned.append(True)
-                logger.warning("task arguments: %s", exc)
+            _warn_once(exc)
             return None
         spec._placed = placed
         return placed
@@ -213,6 +209,13 @@ def _placed(spec: RunSpec, raws: list[memoryview]) -> Any:
 
 _placing = threading.Lock()
 _shm_warned: list[bool] = []
+
+
+def _warn_once(exc: Exception) -> None:
+    """Shared memory cannot take task arguments (full, say): they travel as frames."""
+    if not _shm_warned:
+        _shm_warned.append(True)
+        logger.warning("task arguments: %s", exc)
 
 
 def _runspec_loads(header: dict[str, Any], frames: Any) -> RunSpec:

@@ -3,14 +3,17 @@ memory, a buffer that already lies in a segment travels as a reference to it, an
 large private buffer through a transfer segment made for that one message (with a
 lease, unlinked by the receiver). Registered when :mod:`shoal.comm` is imported.
 
-Also here: :func:`place_buffers`, which puts the large buffers of an object that may be
-sent more than once (a task's payload) in a segment this process keeps for as long as
-that object lives, and :func:`map_refs`, which turns references back into buffers.
+Also here, for task payloads (:mod:`shoal.taskspec`) and the processes that forward
+them: :func:`place_buffers` puts the large buffers of an object that may be sent more
+than once in a segment this process keeps for as long as that object lives;
+:func:`hand_over_buffers` puts them in a transfer segment for the receiver to take over;
+:func:`adopt_refs` is that taking over, by a receiver that keeps the value serialized,
+and :func:`forward_refs` what such a receiver sends on; :func:`map_refs` turns
+references back into buffers.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import weakref
@@ -37,10 +40,8 @@ from .shm import (
     work_off,
 )
 
-__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "map_refs", "adopt_refs",
-           "forward_refs"]
-
-logger = logging.getLogger("shoal.comm.shm")
+__all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "hand_over_buffers",
+           "map_refs", "adopt_refs", "forward_refs"]
 
 
 #: private buffers at least this large cross to a same-host peer through a new segment
@@ -219,8 +220,9 @@ def adopt_refs(s: Any) -> bool:
     """A process that keeps a received value serialized (to forward it later) takes
     over its transfer segments (flag-1 refs): each file is renamed to a name of this
     process, the refs now name it with flag 0, and ``s.keep`` holds it for as long as
-    ``s`` lives (then it goes to this process's pool). True if it took any: the sender's
-    lease may end. A file already gone stays named as it was (decoding it fails)."""
+    ``s`` lives (then it is given back to its maker, or removed). True if it took any:
+    the sender's lease may end. A file that is gone or holds another generation stays
+    named as it was (decoding it fails)."""
     refs = s.header.get("refs") if isinstance(s.header, dict) else None
     if not isinstance(refs, list) or not enabled():
         return False
