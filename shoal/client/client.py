@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import config
 from .._loop import LoopThread
-from ..comm import Comm, connect, shm
+from ..comm import Comm, connect, shm, shm_family
 from ..errors import CommError, LostDataError
 from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
@@ -628,13 +628,22 @@ class Client(DaskCollections):
             raise RuntimeError("the cluster has no workers to scatter to")
         placement: dict[str, dict[Any, Any]] = {}
         who_has: dict[Any, list[str]] = {}
+        shared: list[Any] = []
         for k, v in items:
             chosen = targets if broadcast else [targets[next(self._scatter_rr) % len(targets)]]
+            if len(chosen) > 1 and self._use_shm:
+                v = self._one_copy(v, shared)
             for w in chosen:
                 placement.setdefault(w, {})[k] = to_serialize(v)
             who_has[k] = chosen
         assert self._pool is not None
-        replies = await asyncio.gather(*(PooledRPC(self._pool, w).update_data(data=d) for w, d in placement.items()))
+        try:
+            replies = await asyncio.gather(*(PooledRPC(self._pool, w).update_data(data=d) for w, d in placement.items()))
+        finally:
+            # every worker has mapped what it maps: the name may go (the pages stay
+            # theirs) and the memory waits in this process's pool for reuse
+            for seg in shared:
+                seg.retire()
         nbytes: dict[Any, int] = {}
         for reply in replies:
             nbytes.update(reply["nbytes"])
@@ -647,6 +656,19 @@ class Client(DaskCollections):
         if isinstance(data, (list, tuple, set, frozenset)):
             return [futures[k] for k, _ in items]
         return futures[items[0][0]]
+
+    @staticmethod
+    def _one_copy(value: Any, shared: list[Any]) -> Any:
+        """``value`` copied once into shared memory, for several workers of this host
+        to map (instead of a copy each); the value itself if that is not worth it."""
+        try:
+            placed = shm.place(value, shm_family.TRANSFER_MIN_BYTES)
+        except shm.ShmUnavailable:
+            return value
+        if placed is None:
+            return value
+        shared.append(placed[0])
+        return placed[1]
 
     def cancel(self, futures: Any) -> Any:
         """Cancel these futures' tasks (and this client's tasks that depend on them)."""

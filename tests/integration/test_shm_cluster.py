@@ -280,3 +280,14 @@ def test_a_scattered_value_is_mapped_by_the_holders_peers(client, cluster):
     assert client.submit(total, x, workers=[b_addr]).result(timeout=30) == 9.0 * (4 * MB // 8)
     del x
     wait_for(lambda: on_a not in shm.segments_of(pid_a), what="the released value's segment to go")
+
+
+def test_a_broadcast_value_is_copied_once_and_mapped_by_every_worker(client, cluster):
+    a_addr, b_addr = cluster.worker_addresses
+    [x] = client.scatter([np.full(4 * MB // 8, 5.0)], broadcast=True)
+    assert sorted(client.who_has([x])[x.key]) == sorted([a_addr, b_addr])
+    names = {w: client.submit(_segment_of, x, workers=[w], pure=False).result(timeout=30) for w in (a_addr, b_addr)}
+    # both map the one segment this process made (no copy per worker)
+    assert names[a_addr] == names[b_addr] and names[a_addr].startswith(f"shoal-{os.getpid()}-")
+    assert [client.submit(total, x, workers=[w], pure=False).result(timeout=30) for w in (a_addr, b_addr)] == [
+        5.0 * (4 * MB // 8)] * 2
