@@ -645,12 +645,15 @@ class Client(DaskCollections):
             for seg in shared:
                 seg.retire()
         nbytes: dict[Any, int] = {}
+        placed: dict[Any, Any] = {}  # values a worker keeps in shared memory, and where
         for reply in replies:
             nbytes.update(reply["nbytes"])
+            placed.update(reply.get("shm") or {})
         futures = {k: Future(k, self) for k, _ in items}
         for k, f in futures.items():
             f._state.finish(who_has[k])
-        await self._scheduler_rpc().update_data(who_has=who_has, nbytes=nbytes, client=self.id)
+        extra = {"shm": placed} if placed else {}
+        await self._scheduler_rpc().update_data(who_has=who_has, nbytes=nbytes, client=self.id, **extra)
         if isinstance(data, dict):
             return futures
         if isinstance(data, (list, tuple, set, frozenset)):

@@ -57,6 +57,7 @@ __all__ = [
     "adopt_segment",
     "give_back_later",
     "reclaim_returned",
+    "describe_kept",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -355,6 +356,39 @@ def _give_back(name: str, sender: int | None) -> None:
                 _close_writer(writer)
             return
     unlink(name)
+
+
+def describe_kept(value: Any) -> SegmentInfo | None:
+    """A value this process received in a transfer segment and kept (a worker's
+    scattered value): when all its buffers lie in that one segment and its pickle
+    stream fits in front of them, write the stream there (offset 64) and return the
+    segment info that lets any same-host process map the value without this one;
+    else ``None``."""
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        return None
+    spans: list[list[int]] = []
+    segment = None
+    for b in buffers:
+        where = locate(b.raw())
+        if where is None or (segment is not None and where[0] != segment[0]):
+            return None
+        segment = where
+        spans.append([where[2], where[3]])
+    if segment is None or segment[0] not in owned() or _HEADER + len(data) > min(o for o, _ in spans):
+        return None
+    name, size, _, _, token = segment
+    try:
+        fd = os.open(_path(name), os.O_WRONLY)
+        try:
+            _pwrite_all(fd, data, _HEADER)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return [name, size, len(data), spans, token]
 
 
 def reclaim_returned() -> int:

@@ -50,44 +50,40 @@ TRANSFER_MIN_BYTES = 1 << 20
 
 def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[Any]]:
     """Pickle 5. A buffer that already lives in a segment travels as (name, size,
-    offset, length). A large private buffer is copied into a segment of its own that the
-    receiver maps and then unlinks (flag 1); a lease removes it should the receiver never
-    get it. Small buffers travel as frames."""
+    offset, length). The large private buffers are copied into one transfer segment,
+    from offset 4096 (room for the value's pickle stream in front, should the receiver
+    keep the segment as the value's), that the receiver takes (flag 1); a lease removes
+    it should the receiver never get it. Small buffers travel as frames."""
     from ..protocol import leases
     from ..protocol.serialize import pickle_dumps
 
     buffers: list[pickle.PickleBuffer] = []
     data = pickle_dumps(obj, buffer_callback=buffers.append)
-    refs: list[Any] = []
-    frames: list[Any] = [data]
+    raws = [b.raw() for b in buffers]
+    refs: list[Any] = [None] * len(raws)
     use = enabled()
-    for b in buffers:
-        raw = b.raw()
+    private: list[int] = []
+    for i, raw in enumerate(raws):
         where = locate(raw) if use else None
         if where is not None and not os.path.exists(_path(where[0])):
             where = None  # its name was removed: a receiver could not map it
         if where is not None:
             name, size, offset, length, token = where
-            refs.append([name, size, offset, length, 0, token])
-        elif use and raw.nbytes >= TRANSFER_MIN_BYTES and leases.active():
-            try:
-                name, size, token = _segment_for_buffer(raw)
-            except ShmUnavailable:
-                refs.append(None)
-                frames.append(raw)
-                continue
-            leases.lease(lambda name=name: unlink(name))
-            refs.append([name, size, _HEADER, raw.nbytes, 1, token])
-        else:
-            refs.append(None)
-            frames.append(raw)
+            refs[i] = [name, size, offset, length, 0, token]
+        elif use and raw.nbytes >= TRANSFER_MIN_BYTES:
+            private.append(i)
+    if private and leases.active():
+        try:
+            copied = _copy_big([raws[i] for i in private], TRANSFER_MIN_BYTES, _DATA_OFFSET, flag=1)
+        except ShmUnavailable:
+            copied = None
+        if copied is not None:
+            name = copied[1]
+            leases.lease(lambda: unlink(name))
+            for i, ref in zip(private, copied[0]):
+                refs[i] = ref
+    frames: list[Any] = [data, *(raw for raw, ref in zip(raws, refs) if ref is None)]
     return ({"refs": refs} if any(r is not None for r in refs) else {}), frames
-
-
-def _segment_for_buffer(raw: memoryview) -> tuple[str, int, str]:
-    """A new segment holding a copy of ``raw``; returns (name, size, token)."""
-    # the receiver unlinks it: the owner keeps no mapping of it
-    return _fill_segment(_align(_HEADER + raw.nbytes), [(_HEADER, raw)], keep=False)
 
 
 def _same_host_loads(header: dict[str, Any], frames: Sequence[Any]) -> Any:

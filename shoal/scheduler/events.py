@@ -107,6 +107,8 @@ class UpdateDataEvent(Event):
     client: str
     who_has: dict[Key, list[str]]
     nbytes: dict[Key, int]
+    #: segment infos of values their one holder keeps in shared memory (like results')
+    shm: dict[Key, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -123,8 +123,10 @@ class Scheduler:
         return {ts.key: sorted(ws.address for ws in ts.who_has) for ts in selected}
 
     def update_data(self, comm: Comm | None = None, who_has: dict[Any, list[str]] | None = None,
-                    nbytes: dict[Any, int] | None = None, client: str = "") -> None:
-        self._apply(UpdateDataEvent(self._stimulus("update-data"), client, who_has or {}, nbytes or {}))
+                    nbytes: dict[Any, int] | None = None, client: str = "",
+                    shm: dict[Any, Any] | None = None) -> None:
+        self._apply(UpdateDataEvent(self._stimulus("update-data"), client, who_has or {}, nbytes or {},
+                                    shm if isinstance(shm, dict) else {}))
 
     def counters(self, comm: Comm | None = None) -> dict[str, Any]:
         return {

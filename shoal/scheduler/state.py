@@ -371,6 +371,8 @@ class SchedulerState:
             ts.state = "memory"
             for ws in workers:
                 self._add_replica(ts, ws)
+            info = ev.shm.get(key)
+            ts.shm, ts.shm_owner = (info, workers[0].address) if info is not None and len(workers) == 1 else (None, "")
             recs.update(self._on_memory(ts))
         self._recommend(recs)
 

@@ -397,7 +397,15 @@ class Worker:
         nbytes = {k: sizeof(v) for k, v in values.items()}
         self._count(comm, sum(nbytes.values()), values.values())
         self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes))
-        return {"nbytes": nbytes}
+        reply: dict[str, Any] = {"nbytes": nbytes}
+        if self.use_shm and comm.destination == SAME_HOST:
+            # values kept in the segments they came in: same-host peers may map them
+            # without this worker, like results (the scheduler hands the info on)
+            infos = {k: info for k, v in values.items()
+                     if nbytes[k] >= shm_family.TRANSFER_MIN_BYTES and (info := shm.describe_kept(v))}
+            if infos:
+                reply["shm"] = infos
+        return reply
 
     async def run_function(self, comm: Comm, function: Any, args: Any = (), kwargs: Any = None) -> Any:
         if isinstance(function, Serialize):

@@ -282,14 +282,15 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
         assert c.submit(lambda x: int(x.sum()), s_here, workers=here).result(timeout=30) == int(arr2.sum())
 
         # scatter to the Python worker, then a foreign task that needs it: the Python
-        # worker kept the transfer segment the value came in under a name of its own
-        # (§4.7), so get-data names it (a flag-0 ref, no lease) and nothing is copied
+        # worker kept the transfer segment the value came in under a name of its own and
+        # made it a value segment (§8.2), so compute-task says where it lies ("shm") and
+        # the foreign worker maps it without asking anyone; nothing is copied
         arr3 = np.arange(400_000, dtype="int64") * 3
         [s_there] = c.scatter([arr3], workers=there)
         mid = stats.copy()
         assert c.submit(lambda x: int(x[::2].sum()), s_there, workers=here).result(timeout=30) == int(arr3[::2].sum())
         if SHM:
-            assert stats["refs-mapped"] > mid["refs-mapped"]
+            assert stats["segments-mapped"] > mid["segments-mapped"]
             assert stats["transfers-mapped"] == mid["transfers-mapped"]
             assert stats["lease-ids-received"] == mid["lease-ids-received"]
 

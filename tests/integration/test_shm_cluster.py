@@ -291,3 +291,16 @@ def test_a_broadcast_value_is_copied_once_and_mapped_by_every_worker(client, clu
     assert names[a_addr] == names[b_addr] and names[a_addr].startswith(f"shoal-{os.getpid()}-")
     assert [client.submit(total, x, workers=[w], pure=False).result(timeout=30) for w in (a_addr, b_addr)] == [
         5.0 * (4 * MB // 8)] * 2
+
+
+def test_a_scattered_value_is_read_while_its_holder_is_stopped(client, cluster):
+    """Like a result: the scheduler knows where it lies, so a peer maps it without
+    asking the holder, whose process may be stopped."""
+    a_addr, b_addr = cluster.worker_addresses
+    pid_a = _pids(client)[a_addr]
+    [x] = client.scatter([np.full(4 * MB // 8, 6.0)], workers=[a_addr])
+    os.kill(pid_a, signal.SIGSTOP)
+    try:
+        assert client.submit(total, x, workers=[b_addr]).result(timeout=30) == 6.0 * (4 * MB // 8)
+    finally:
+        os.kill(pid_a, signal.SIGCONT)
