@@ -179,3 +179,58 @@ def _task_args_cli(system: str, mb: int, rounds: int) -> dict[str, Any]:
 
 
 _register(task_args_64MB_cli, ("shoal", "dask"), _task_args_cli)
+
+
+# ------------------------------------------------------------------- scatter_64MB
+
+scatter_64MB = Workload(
+    "scatter_64MB",
+    "A 64 MB float64 array made in the client's process is scattered to worker 0 "
+    "(ray: ray.put), then a task pinned to worker 1 takes it and returns arr[0]. "
+    "`scatter`: seconds of the scatter (its key's hash included for shoal and dask, "
+    "which name scattered data by content); `use`: seconds from submitting the task "
+    "to its result, the value living on another worker (ray: the object store). "
+    "Median of `rounds` (5), every round a new array, the previous one released. Ray: "
+    "the consumer is the actor of worker 1 (a read-only view).",
+    metrics={"scatter": "s", "use": "s"},
+    params={"mb": 64, "rounds": 5},
+    quick={"mb": 4, "rounds": 1},
+    timeout=600,
+)
+
+
+def _scatter(system: str, mb: int, rounds: int) -> dict[str, Any]:
+    import numpy as np
+
+    nbytes = mb << 20
+    put, use = [], []
+    with open_session(system) as s:
+        if isinstance(s, RaySession):
+            s.start_actors()
+        else:
+            _warm_up(s)
+        w0, w1 = s.workers
+        s.result(s.submit(consume, np.ones(8), worker=w1, pure=False))
+        for i in range(rounds):
+            arr = np.full(nbytes // 8, float(i + 1))
+            t0 = _perf()
+            if isinstance(s, RaySession):
+                ref = s.ray.put(arr)
+            else:
+                [ref] = s.client.scatter([arr], workers=[w0])
+            t1 = _perf()
+            first, _, size = s.result(s.submit(consume, ref, worker=w1, pure=False))
+            t2 = _perf()
+            if first != float(i + 1) or size != nbytes:
+                raise AssertionError(f"the task saw arr[0]={first}, nbytes={size}")
+            put.append(t1 - t0)
+            use.append(t2 - t1)
+            del ref, arr
+        out = s.extra_info()
+    out["scatter"] = statistics.median(put)
+    out["use"] = statistics.median(use)
+    out["rounds_use_s"] = [round(t, 4) for t in use]
+    return out
+
+
+_register(scatter_64MB, SYSTEMS, _scatter)

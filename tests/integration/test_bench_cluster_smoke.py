@@ -25,6 +25,7 @@ WORKLOADS = {
     "busy_owner": ["busy_owner", "idle_owner", "busy_task"],
     "task_args_64MB": ["seconds", "first", "GBps"],
     "task_args_64MB_cli": ["seconds", "first", "GBps"],
+    "scatter_64MB": ["scatter", "use"],
 }
 
 
