@@ -318,10 +318,20 @@ def tokenize(*parts: Any) -> str:
     hashes by identity (same object, same token), which keeps unpicklable arguments
     (locks, open files) usable with ``pure=True``.
     """
-    # sha1 (a token, not a signature): about twice blake2b's speed over large buffers here
-    h = hashlib.sha1(usedforsecurity=False)
+    h = _hasher()
     _feed(h, parts, 0)
     return h.hexdigest()[:32]
+
+
+def _sha1() -> Any:
+    # a token, not a signature: sha1 is about twice blake2b's speed over large buffers
+    return hashlib.sha1(usedforsecurity=False)
+
+
+try:  # xxh3 hashes large buffers ~13x faster than sha1 here (scatter of big arrays)
+    from xxhash import xxh3_128 as _hasher
+except ImportError:  # an optional dependency (the numpy extra)
+    _hasher = _sha1
 
 
 def _feed(h: Any, obj: Any, depth: int) -> None:
