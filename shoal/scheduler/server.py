@@ -251,6 +251,9 @@ class Scheduler:
                         self._client_msg(client, msg)
                     except (KeyError, TypeError, ValueError) as exc:
                         logger.error("client %s sent a malformed message (%s): %.200r", client, exc, msg)
+                # hold no message while waiting for the next: its payloads (and their
+                # shared memory) must go when their tasks are forgotten
+                msg = None
                 if same_host:
                     shm.work_off()  # arguments of tasks forgotten just now go back at once
                 if closing:
@@ -258,14 +261,25 @@ class Scheduler:
         except CommError:
             pass
         finally:
+            msg = None
             self.client_streams.pop(client, None)
             if same_host:
                 shm.return_to.discard(pid)
             self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
             await stream.close()
-            if same_host and shm.process_gone(pid):
-                shm.work_off()
-                shm.sweep(pid)  # what was given back to it and never taken in
+            if same_host:
+                await self._sweep_client(pid)
+
+    async def _sweep_client(self, pid: int) -> None:
+        """Remove what was given back to a departed client process and never taken in.
+        Its connection may close a moment before the process is gone: look for a second
+        (a client that lives on removes its own files when it exits)."""
+        shm.work_off()
+        for _ in range(20):
+            if shm.process_gone(pid):
+                shm.sweep(pid)
+                return
+            await asyncio.sleep(0.05)
 
     def _client_msg(self, client: str, msg: Any) -> None:
         if not isinstance(msg, dict):

@@ -181,3 +181,37 @@ def test_arguments_from_a_client_in_another_process_are_handed_over_in_shared_me
     finally:
         c.close(timeout=10)
     assert set(shm.segments_of(os.getpid())) <= mine  # nothing of ours is left behind
+
+
+@pytest.mark.filterwarnings("ignore:a task of .* MB of arguments:UserWarning")
+def test_a_client_killed_after_large_arguments_leaves_no_files(processes):
+    """Its transfer segments were taken over by the scheduler, which gives them back
+    to the client; with the client killed, the scheduler removes what is named after it."""
+    import os
+    import signal
+
+    from shoal.comm import shm
+    from shoal.testing import wait_for
+
+    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    address = sched.stdout.readline().split()[-1]
+    worker = _start(processes, "worker", address, "--nthreads", "1")
+    assert worker.stdout.readline().startswith("shoal worker at ")
+    code = (
+        "import sys, numpy as np, shoal\n"
+        f"c = shoal.Client({address!r})\n"
+        "for i in range(3):\n"
+        "    assert c.submit(np.sum, np.ones(1 << 18), pure=False).result(timeout=30) == 1 << 18\n"
+        "print('done', flush=True)\n"
+        "sys.stdin.read()\n"  # waits to be killed
+    )
+    client = subprocess.Popen([sys.executable, "-W", "ignore", "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes.append(client)
+    assert client.stdout.readline().strip() == "done", client.stderr.read()
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait(10)
+    client.stdin.close()
+    wait_for(lambda: not shm.segments_of(client.pid), timeout=20, what="the killed client's files to go")
+    wait_for(lambda: not shm.segments_of(sched.pid), timeout=20, what="its tasks' arguments to go")
+    assert sched.poll() is None and worker.poll() is None
