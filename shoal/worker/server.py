@@ -178,6 +178,8 @@ class Worker:
                     except (KeyError, TypeError, ValueError) as exc:
                         logger.error("malformed message from the scheduler (%s): %.200r", exc, msg)
                 self._apply_logged(events)
+                # hold no message (nor a task's payload) while waiting for the next
+                events = msg = None
                 if self.use_shm:
                     shm.work_off()  # segments of values freed just now go back to the pool
         except CommError:
