@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import config
 from .._loop import LoopThread
-from ..comm import Comm, connect, shm, shm_family
+from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..errors import CommError, LostDataError
 from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
@@ -215,7 +215,7 @@ class Client(DaskCollections):
             await self._pool.close()
         if self._hand_over:
             # segments the scheduler gave back for reuse: nothing will reuse them now
-            shm.reclaim_returned()
+            shm_handover.reclaim_returned()
             shm.drain_pool()
         self._mark_closed()
         if self._own_cluster and self.cluster is not None:

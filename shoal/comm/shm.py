@@ -53,11 +53,8 @@ __all__ = [
     "drain_pool",
     "trim_pool",
     "retire_later",
+    "later",
     "work_off",
-    "adopt_segment",
-    "give_back_later",
-    "reclaim_returned",
-    "describe_kept",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -294,122 +291,22 @@ def retire(name: str, size: int) -> None:
     _retire(name, size)
 
 
-def adopt_segment(name: str, token: str) -> str | None:
-    """Make another process's transfer segment this process's own: rename it to a
-    name of ours (its sender then cannot remove it); the new name, or ``None`` if it
-    is gone or holds something else than generation ``token``."""
-    try:
-        fd = os.open(_path(name), os.O_RDONLY)
-    except (OSError, ValueError):
-        return None
-    try:
-        if os.pread(fd, _HEADER, 0) != _header(token):
-            return None
-        new = _new_name()
-        os.rename(_path(name), _path(new))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    with _lock:
-        _owned.add(new)
-    return new
+def retire_later(name: str, size: int) -> None:
+    """:func:`retire` from anywhere, even a finalizer run by the garbage collector
+    while this thread holds the module's lock: only queued (see :func:`later`)."""
+    _later.append((_retire, (name, size)))
 
 
-def retire_later(name: str, size: int, pool: bool = True) -> None:
-    """:func:`retire` (or, with ``pool=False``, :func:`unlink`) from anywhere, even a
-    finalizer run by the garbage collector while this thread holds the module's lock:
-    only queued; the next call into the pool (or :func:`work_off`) does it."""
-    _retiring.append((name, size if pool else -1))
+def later(fn: Any, *args: Any) -> None:
+    """Call ``fn(*args)`` at the next call into the pool (or :func:`work_off`), not now:
+    for finalizers, which may run inside the garbage collector at any point, even while
+    this thread holds the module's lock."""
+    _later.append((fn, args))
 
 
 def work_off() -> None:
     """Do what finalizers and numpy's frees queued (retire segments, free arrays)."""
     _work_off_freed()
-
-
-#: processes of this host that may get back the transfer segments they handed over
-#: to this one (the clients of a scheduler: :func:`give_back_later`)
-return_to: set[int] = set()
-_giving_back: collections.deque[tuple[str, int | None]] = collections.deque()
-
-
-def give_back_later(name: str, sender: int | None) -> None:
-    """An adopted segment is not needed here any more: give it back to the process
-    that made it (renamed ``shoal-<sender>-ret...``, for it to reuse) if that process
-    is in :data:`return_to`, else remove it. Only queued, like :func:`retire_later`."""
-    _giving_back.append((name, sender))
-
-
-def _give_back(name: str, sender: int | None) -> None:
-    if sender is not None and sender in return_to and not process_gone(sender):
-        try:
-            os.rename(_path(name), _path(f"{PREFIX}{sender}-ret{next(_counter)}-{secrets.token_hex(4)}"))
-        except OSError:
-            pass
-        else:
-            with _lock:
-                _owned.discard(name)
-                _retired_at.pop(name, None)
-                writer = _writers.pop(name, None)
-            if writer is not None:
-                _close_writer(writer)
-            return
-    unlink(name)
-
-
-def describe_kept(value: Any) -> SegmentInfo | None:
-    """A value this process received in a transfer segment and kept (a worker's
-    scattered value): when all its buffers lie in that one segment and its pickle
-    stream fits in front of them, write the stream there (offset 64) and return the
-    segment info that lets any same-host process map the value without this one;
-    else ``None``."""
-    buffers: list[pickle.PickleBuffer] = []
-    try:
-        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception:
-        return None
-    spans: list[list[int]] = []
-    segment = None
-    for b in buffers:
-        where = locate(b.raw())
-        if where is None or (segment is not None and where[0] != segment[0]):
-            return None
-        segment = where
-        spans.append([where[2], where[3]])
-    if segment is None or segment[0] not in owned() or _HEADER + len(data) > min(o for o, _ in spans):
-        return None
-    name, size, _, _, token = segment
-    try:
-        fd = os.open(_path(name), os.O_WRONLY)
-        try:
-            _pwrite_all(fd, data, _HEADER)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    return [name, size, len(data), spans, token]
-
-
-def reclaim_returned() -> int:
-    """Take the segments other processes gave back to this one into its pool (as
-    retired segments: reused once nobody maps them); returns how many."""
-    prefix = f"{PREFIX}{os.getpid()}-ret"
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
-    except OSError:
-        return 0
-    for name in names:
-        try:
-            size = os.stat(_path(name)).st_size
-            pooled = _new_name("pool")
-            os.rename(_path(name), _path(pooled))
-        except OSError:
-            continue
-        with _lock:
-            _owned.add(pooled)
-        _retire(pooled, size)  # into the pool, or removed if the pool is full
-    return len(names)
 
 
 def _retire(name: str, size: int) -> None:
@@ -526,8 +423,8 @@ _born: dict[int, _Born] = {}  # data address -> its segment
 placements = {"born": 0, "copied": 0}
 _born_names: set[str] = set()
 _freed: collections.deque[int] = collections.deque()
-#: segments whose holders went away (see :func:`retire_later`)
-_retiring: collections.deque[tuple[str, int]] = collections.deque()
+#: what finalizers asked for (see :func:`later`)
+_later: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
 _allocator_on = False
 
 
@@ -561,21 +458,12 @@ def release_array_memory(address: int) -> None:
 
 
 def _work_off_freed() -> None:
-    while _giving_back:
+    while _later:
         try:
-            name, sender = _giving_back.popleft()
+            fn, args = _later.popleft()
         except IndexError:
             break
-        _give_back(name, sender)
-    while _retiring:
-        try:
-            name, size = _retiring.popleft()
-        except IndexError:
-            break
-        if size < 0:
-            unlink(name)
-        else:
-            _retire(name, size)
+        fn(*args)
     while _freed:
         try:
             address = _freed.popleft()
@@ -807,9 +695,7 @@ def _forget_parent_segments() -> None:
     _born.clear()
     _born_names.clear()
     _freed.clear()
-    _retiring.clear()
-    _giving_back.clear()
-    return_to.clear()
+    _later.clear()
     global adopt_transfers
     adopt_transfers = False
 

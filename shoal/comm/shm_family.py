@@ -29,16 +29,14 @@ from .shm import (
     _align,
     _fill_segment,
     _path,
-    adopt_segment,
     enabled,
-    give_back_later,
     locate,
     map_segment,
-    reclaim_returned,
     retire_later,
     unlink,
     work_off,
 )
+from .shm_handover import adopt_segment, give_back_later, reclaim_returned
 
 __all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "hand_over_buffers",
            "map_refs", "adopt_refs", "forward_refs"]

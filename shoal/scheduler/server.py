@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from .. import config
-from ..comm import Comm, shm
+from ..comm import Comm, shm, shm_handover
 from ..comm.core import local_info
 from ..errors import CommError
 from ..rpc import BatchedSend, Server, read_batch
@@ -235,7 +235,7 @@ class Scheduler:
         pid = comm.peer_info.get("pid")
         same_host = isinstance(pid, int) and pid != os.getpid() and comm.peer_info.get("host") == local_info()["host"]
         if same_host:
-            shm.return_to.add(pid)
+            shm_handover.return_to.add(pid)
         stream = BatchedSend(name=f"to-{client}")
         stream.start(comm)
         self.client_streams[client] = stream
@@ -264,7 +264,7 @@ class Scheduler:
             msg = None
             self.client_streams.pop(client, None)
             if same_host:
-                shm.return_to.discard(pid)
+                shm_handover.return_to.discard(pid)
             self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
             await stream.close()
             if same_host:

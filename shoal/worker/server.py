@@ -23,7 +23,7 @@ from ..comm import Comm, connect
 from ..comm.core import local_info
 from ..errors import CommError, SerializationError
 from .. import config
-from ..comm import shm, shm_family
+from ..comm import shm, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch
 from ..taskspec import RunSpec, run
@@ -404,7 +404,7 @@ class Worker:
             # values kept in the segments they came in: same-host peers may map them
             # without this worker, like results (the scheduler hands the info on)
             infos = {k: info for k, v in values.items()
-                     if nbytes[k] >= shm_family.TRANSFER_MIN_BYTES and (info := shm.describe_kept(v))}
+                     if nbytes[k] >= shm_family.TRANSFER_MIN_BYTES and (info := shm_handover.describe_kept(v))}
             if infos:
                 reply["shm"] = infos
         return reply

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from shoal.comm import shm
+from shoal.comm import shm, shm_handover
 from shoal.protocol import REMOTE, SAME_HOST, Serialized, deserialize, serialize, to_serialize
 from shoal.protocol.core import loads, prepare
 from shoal.taskspec import Ref, RunSpec, run
@@ -208,7 +208,7 @@ def test_a_ref_whose_file_holds_something_else_is_not_adopted():
 
 
 def test_an_adopted_segment_goes_back_to_its_maker_for_its_next_arguments(monkeypatch):
-    monkeypatch.setattr(shm, "return_to", {os.getpid()})  # the maker is a client of ours
+    monkeypatch.setattr(shm_handover, "return_to", {os.getpid()})  # the maker is a client of ours
     big = np.full(2 * MB // 8, 4.0)
     _, frames = _sent_by_a_client_of_another_process(big)
     s = loads(frames, deserialize=False, leases=[])["payload"]

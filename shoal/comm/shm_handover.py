@@ -1,0 +1,147 @@
+"""Shared-memory segments that change hands between processes of one host.
+
+A process that keeps a received value serialized (a scheduler with a task's payload)
+*adopts* the transfer segment the value came in (:func:`adopt_segment`: renamed to a
+name of its own) and, when it drops the value, *gives it back* to the process that made
+it if that process is one it serves (:data:`return_to`), which takes it into its pool
+(:func:`reclaim_returned`) and reuses the pages for its next transfers. A worker that
+keeps a scattered value's transfer segment turns it into a value segment that others
+map without it (:func:`describe_kept`). The file rules are those of :mod:`.shm`; see
+docs/protocol.md, §4.8 *Adoption* and §8.2.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+from typing import Any
+
+from . import shm
+from .shm import (
+    _HEADER,
+    PREFIX,
+    SHM_DIR,
+    SegmentInfo,
+    _close_writer,
+    _header,
+    _new_name,
+    _path,
+    _pwrite_all,
+    locate,
+    owned,
+    process_gone,
+    unlink,
+)
+
+__all__ = ["return_to", "adopt_segment", "give_back_later", "reclaim_returned", "describe_kept"]
+
+#: processes of this host that may get back the transfer segments they handed over
+#: to this one (the clients of a scheduler: :func:`give_back_later`)
+return_to: set[int] = set()
+
+
+def adopt_segment(name: str, token: str) -> str | None:
+    """Make another process's transfer segment this process's own: rename it to a
+    name of ours (its sender then cannot remove it); the new name, or ``None`` if it
+    is gone or holds something else than generation ``token``."""
+    try:
+        fd = os.open(_path(name), os.O_RDONLY)
+    except (OSError, ValueError):
+        return None
+    try:
+        if os.pread(fd, _HEADER, 0) != _header(token):
+            return None
+        new = _new_name()
+        os.rename(_path(name), _path(new))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    with shm._lock:
+        shm._owned.add(new)
+    return new
+
+
+
+
+def give_back_later(name: str, sender: int | None) -> None:
+    """An adopted segment is not needed here any more: give it back to the process
+    that made it (renamed ``shoal-<sender>-ret...``, for it to reuse) if that process
+    is in :data:`return_to`, else remove it. Only queued (a finalizer calls it): done
+    at the next call into the pool (:func:`.shm.later`)."""
+    shm.later(_give_back, name, sender)
+
+
+def _give_back(name: str, sender: int | None) -> None:
+    if sender is not None and sender in return_to and not process_gone(sender):
+        try:
+            os.rename(_path(name), _path(f"{PREFIX}{sender}-ret{next(shm._counter)}-{secrets.token_hex(4)}"))
+        except OSError:
+            pass
+        else:
+            with shm._lock:
+                shm._owned.discard(name)
+                shm._retired_at.pop(name, None)
+                writer = shm._writers.pop(name, None)
+            if writer is not None:
+                _close_writer(writer)
+            return
+    unlink(name)
+
+
+def describe_kept(value: Any) -> SegmentInfo | None:
+    """A value this process received in a transfer segment and kept (a worker's
+    scattered value): when all its buffers lie in that one segment and its pickle
+    stream fits in front of them, write the stream there (offset 64) and return the
+    segment info that lets any same-host process map the value without this one;
+    else ``None``."""
+    buffers: list[pickle.PickleBuffer] = []
+    try:
+        data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    except Exception:
+        return None
+    spans: list[list[int]] = []
+    segment = None
+    for b in buffers:
+        where = locate(b.raw())
+        if where is None or (segment is not None and where[0] != segment[0]):
+            return None
+        segment = where
+        spans.append([where[2], where[3]])
+    if segment is None or segment[0] not in owned() or _HEADER + len(data) > min(o for o, _ in spans):
+        return None
+    name, size, _, _, token = segment
+    try:
+        fd = os.open(_path(name), os.O_WRONLY)
+        try:
+            _pwrite_all(fd, data, _HEADER)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return [name, size, len(data), spans, token]
+
+
+def reclaim_returned() -> int:
+    """Take the segments other processes gave back to this one into its pool (as
+    retired segments: reused once nobody maps them); returns how many."""
+    prefix = f"{PREFIX}{os.getpid()}-ret"
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            size = os.stat(_path(name)).st_size
+            pooled = _new_name("pool")
+            os.rename(_path(name), _path(pooled))
+        except OSError:
+            continue
+        with shm._lock:
+            shm._owned.add(pooled)
+        shm._retire(pooled, size)  # into the pool, or removed if the pool is full
+    return len(names)
+
+
+os.register_at_fork(after_in_child=return_to.clear)  # a forked child serves no one
