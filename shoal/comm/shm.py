@@ -55,6 +55,7 @@ __all__ = [
     "retire_later",
     "later",
     "work_off",
+    "placements",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -398,63 +399,18 @@ def trim_pool(max_idle: float) -> int:
     return len(stale)
 
 
-# ----------------------------------------------- arrays born in shared memory
+# ------------------------------------------------------------ deferred actions
 #
-# In a worker's task threads numpy may allocate large arrays straight from the pool of
-# retired segments (``shoal._shmalloc``, a numpy memory handler): the array's data starts
-# at ``_DATA_OFFSET`` of a segment whose pages are already there, so making it costs no
-# page faults, and if the task returns it, publishing it is writing the header and the
-# pickle stream in front of it: no copy. While its array is alive the segment is held
-# exclusively (readers cannot map a value that is still being written) and kept out
-# of the pool. numpy frees it from any thread, even inside the garbage collector: the
-# release only queues the address, and the queue is worked off by later calls here.
+# Finalizers (and numpy's frees of arrays born in segments, :mod:`.shm_born`) may run
+# anywhere, even inside the garbage collector while this thread holds the module's
+# lock: they only queue what they need done, and later calls here do it.
 
-
-class _Born:
-    __slots__ = ("name", "size", "fd", "anchor", "base", "published")
-
-    def __init__(self, name: str, size: int, fd: int, anchor: Any, base: int):
-        self.name, self.size, self.fd, self.anchor, self.base = name, size, fd, anchor, base
-        self.published = False
-
-
-_born: dict[int, _Born] = {}  # data address -> its segment
 #: values this process placed: published where they were born, or copied in
 placements = {"born": 0, "copied": 0}
+#: segments that hold an array born in them (:mod:`.shm_born`): not reusable yet
 _born_names: set[str] = set()
-_freed: collections.deque[int] = collections.deque()
 #: what finalizers asked for (see :func:`later`)
 _later: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque()
-_allocator_on = False
-
-
-def provide_array_memory(nbytes: int) -> int | None:
-    """Called by numpy (through ``shoal._shmalloc``) for a large allocation in a task
-    thread: the address of ``nbytes`` in a pooled segment, or ``None`` (numpy then
-    allocates as usual) when no retired segment fits."""
-    _work_off_freed()
-    with _lock:
-        if not _pool:
-            return None
-    got = _reuse(_DATA_OFFSET + nbytes)
-    if got is None:
-        return None
-    name, fd, size, writer = got
-    import ctypes
-
-    anchor = ctypes.c_char.from_buffer(writer)  # the mapping cannot close while held
-    base = ctypes.addressof(anchor)
-    with _lock:
-        _writers[name] = writer
-        _born[base + _DATA_OFFSET] = _Born(name, size, fd, anchor, base)
-        _born_names.add(name)
-    return base + _DATA_OFFSET
-
-
-def release_array_memory(address: int) -> None:
-    """numpy freed an array born in a segment; it may be in the garbage collector:
-    only queue it."""
-    _freed.append(address)
 
 
 def _work_off_freed() -> None:
@@ -462,76 +418,16 @@ def _work_off_freed() -> None:
         try:
             fn, args = _later.popleft()
         except IndexError:
-            break
-        fn(*args)
-    while _freed:
-        try:
-            address = _freed.popleft()
-        except IndexError:
             return
-        with _lock:
-            b = _born.pop(address, None)
-            if b is None:
-                continue
-            _born_names.discard(b.name)
-            b.anchor = None
-            published, alive = b.published, b.name in _owned
-            writer = None if alive else _writers.pop(b.name, None)
-        if not published:
-            os.close(b.fd)
-            _retire(b.name, b.size)  # never shown to anyone: straight back to the pool
-        elif writer is not None:
-            _close_writer(writer)  # its key was released while the array lived
+        fn(*args)
 
 
 def _publish_born(data: bytes, raws: list[memoryview]) -> Segment | None:
-    """If the value is one array born in a segment, publish that segment as the value
-    (header and pickle stream written in front of the data) and return its record."""
-    if len(raws) != 1 or not _born or _HEADER + len(data) > _DATA_OFFSET:
+    if not _born_names:  # no array was born in a segment: nothing to publish
         return None
-    start = _address(raws[0])
-    if start is None:
-        return None
-    end = start + raws[0].nbytes
-    with _lock:
-        for b in _born.values():
-            if b.base + _DATA_OFFSET <= start and end <= b.base + b.size and not b.published:
-                writer = _writers.get(b.name)
-                break
-        else:
-            return None
-        if writer is None:
-            return None
-        b.published = True
-    token = secrets.token_hex(8)
-    writer[:_HEADER] = _header(token)
-    writer[_HEADER : _HEADER + len(data)] = data
-    os.close(b.fd)  # release the exclusive lock: readers may map it now
-    info: SegmentInfo = [b.name, b.size, len(data), [[start - b.base, end - start]], token]
-    return Segment(b.name, b.size, info)
+    from .shm_born import publish
 
-
-def enable_array_allocator(threshold: int = 1 << 20) -> bool:
-    """Let this process's task threads allocate numpy arrays of at least ``threshold``
-    bytes in pooled segments (call :func:`use_array_allocator` in each). False when the
-    C helper is not built or numpy is missing."""
-    global _allocator_on
-    try:
-        from .. import _shmalloc
-
-        _shmalloc.configure(provide_array_memory, release_array_memory, int(threshold))
-    except Exception:  # ImportError, or a numpy whose handler we do not know
-        return False
-    _allocator_on = True
-    return True
-
-
-def use_array_allocator() -> None:
-    """Large numpy arrays made in the calling thread come from pooled segments."""
-    if _allocator_on:
-        from .. import _shmalloc
-
-        _shmalloc.install()
+    return publish(data, raws)
 
 
 def _copy_into(dst: memoryview, src: memoryview) -> None:
@@ -692,9 +588,7 @@ def _forget_parent_segments() -> None:
     _pool.clear()
     _retired_at.clear()
     _writers.clear()
-    _born.clear()
     _born_names.clear()
-    _freed.clear()
     _later.clear()
     global adopt_transfers
     adopt_transfers = False

@@ -23,7 +23,7 @@ from ..comm import Comm, connect
 from ..comm.core import local_info
 from ..errors import CommError, SerializationError
 from .. import config
-from ..comm import shm, shm_family, shm_handover
+from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch
 from ..taskspec import RunSpec, run
@@ -119,7 +119,7 @@ class Worker:
         if self.use_shm:
             shm.adopt_transfers = True  # values sent here (scatter, fetches) stay mappable
         threshold = config.get("shm-alloc-threshold")
-        self._born_in_shm = self.use_shm and threshold > 0 and shm.enable_array_allocator(threshold)
+        self._born_in_shm = self.use_shm and threshold > 0 and shm_born.enable_array_allocator(threshold)
         if self.use_shm and config.get("shm-pool-idle") > 0:
             self._spawn(self._trim_pool(config.get("shm-pool-idle")))
         self.stream = BatchedSend(name="to-scheduler")
@@ -139,7 +139,7 @@ class Worker:
         if self._born_in_shm:
             # large arrays of tasks come from retired segments: no page faults to make
             # them, no copy to publish them
-            shm.use_array_allocator()
+            shm_born.use_array_allocator()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from shoal import _shmalloc
-from shoal.comm import shm
+from shoal.comm import shm, shm_born
 
 MB = 1 << 20
 
@@ -21,10 +21,10 @@ MB = 1 << 20
 @pytest.fixture(autouse=True)
 def clean_pool():
     shm.drain_pool()
-    assert shm.enable_array_allocator(MB), "the C helper shoal._shmalloc is not built"
+    assert shm_born.enable_array_allocator(MB), "the C helper shoal._shmalloc is not built"
     yield
     gc.collect()
-    shm._work_off_freed()
+    shm.work_off()
     shm.drain_pool()
     assert not shm.segments_of(os.getpid()), "a test left segments in /dev/shm"
     assert _shmalloc.live() == 0
@@ -35,7 +35,7 @@ def in_task_thread(fn: Callable[[], Any]) -> Any:
     out: dict[str, Any] = {}
 
     def main() -> None:
-        shm.use_array_allocator()
+        shm_born.use_array_allocator()
         try:
             out["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -68,7 +68,7 @@ def test_a_large_array_is_born_in_a_pooled_segment_and_published_without_a_copy(
 
     def task() -> Any:
         a = np.full(MB, 7.0)  # 8 MB: takes the pooled segment
-        assert len(shm._born) == 1 and not shm._pool
+        assert len(shm_born._born) == 1 and not shm._pool
         seg, local = shm.place(a)
         # the value is the born array's segment, its data where numpy wrote it
         assert seg.size == size and seg.info[3] == [[shm._DATA_OFFSET, 8 * MB]]
@@ -91,7 +91,7 @@ def test_small_arrays_and_an_empty_pool_allocate_as_usual():
     def task() -> Any:
         small = np.ones(1000)
         big = np.ones(2 * MB)  # nothing pooled: numpy's own memory
-        assert not shm._born
+        assert not shm_born._born
         seg, local = shm.place(big)
         assert seg.info[3][0][0] == shm._DATA_OFFSET  # copied in
         return small.sum(), seg
@@ -106,16 +106,16 @@ def test_temporaries_go_back_to_the_pool_and_zeroed_memory_is_zero():
 
     def task() -> float:
         a = np.full(MB // 2, 3.0)  # born in the pooled segment (old zeros overwritten)
-        assert len(shm._born) == 1
+        assert len(shm_born._born) == 1
         del a
         z = np.zeros(MB // 2)  # the same memory again, now holding 3.0s: zeroed for us
-        assert len(shm._born) == 1
+        assert len(shm_born._born) == 1
         return float(np.abs(z).sum())
 
     assert in_task_thread(task) == 0.0
     gc.collect()
-    shm._work_off_freed()
-    assert len(shm._pool) == 1 and not shm._born
+    shm.work_off()
+    assert len(shm._pool) == 1 and not shm_born._born
 
 
 def test_realloc_of_a_born_array_keeps_its_contents():
@@ -123,7 +123,7 @@ def test_realloc_of_a_born_array_keeps_its_contents():
 
     def task() -> Any:
         a = np.arange(MB // 8, dtype=np.float64)  # 1 MB, born
-        assert len(shm._born) == 1
+        assert len(shm_born._born) == 1
         a.resize(2 * MB // 8, refcheck=False)  # numpy reallocs the data
         return a
 
@@ -150,12 +150,12 @@ def test_a_value_released_while_its_array_lives_is_not_reused_until_the_array_di
     assert kept[0].sum() == 2.0 * MB
     kept.clear()
     gc.collect()
-    shm._work_off_freed()
-    assert not shm._born and seg.name not in shm._writers
+    shm.work_off()
+    assert not shm_born._born and seg.name not in shm._writers
 
 
 def test_threads_without_the_allocator_are_untouched():
     pooled_segment(8 * MB)
     a = np.full(MB, 1.0)  # the test's own thread did not install it
-    assert not shm._born and len(shm._pool) == 1
+    assert not shm_born._born and len(shm._pool) == 1
     del a
