@@ -17,6 +17,7 @@ names: one creates a probe segment and the other opens it (:func:`probe`,
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import errno
@@ -44,6 +45,7 @@ __all__ = [
     "attach",
     "unlink",
     "sweep",
+    "sweep_when_gone",
     "probe",
     "check_probe",
     "segments_of",
@@ -629,6 +631,18 @@ def sweep(pid: int) -> int:
         except FileNotFoundError:
             pass
     return len(names)
+
+
+async def sweep_when_gone(pid: int, wait: float = 1.0) -> int:
+    """Remove the segments of process ``pid`` once it has exited; a connection to it
+    may close a moment before the process is gone, so look for up to ``wait`` seconds.
+    Returns how many went (0 when it lives on: it removes its own when it exits)."""
+    deadline = time.monotonic() + wait
+    while not process_gone(pid):
+        if time.monotonic() >= deadline:
+            return 0
+        await asyncio.sleep(0.05)  # polling: nothing signals another process's exit
+    return sweep(pid)
 
 
 def process_gone(pid: int) -> bool:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import logging
+import os
 from typing import Any
 
 from .. import config
@@ -268,18 +268,9 @@ class Scheduler:
             self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
             await stream.close()
             if same_host:
-                await self._sweep_client(pid)
-
-    async def _sweep_client(self, pid: int) -> None:
-        """Remove what was given back to a departed client process and never taken in.
-        Its connection may close a moment before the process is gone: look for a second
-        (a client that lives on removes its own files when it exits)."""
-        shm.work_off()
-        for _ in range(20):
-            if shm.process_gone(pid):
-                shm.sweep(pid)
-                return
-            await asyncio.sleep(0.05)
+                # what was given back to a departed client process and never taken in
+                shm.work_off()
+                await shm.sweep_when_gone(pid)
 
     def _client_msg(self, client: str, msg: Any) -> None:
         if not isinstance(msg, dict):

@@ -191,19 +191,14 @@ class Worker:
 
     async def _sweep_after(self, comm: Comm) -> None:
         """A scheduler process of this host that died leaves task arguments in segments
-        named after it (:mod:`shoal.taskspec`), which nobody else would remove. Its
-        connection may close a moment before the process is gone: look for a second."""
+        named after it (:mod:`shoal.taskspec`), which nobody else would remove."""
         info = comm.peer_info
         pid = info.get("pid")
         if not isinstance(pid, int) or pid == os.getpid() or info.get("host") != local_info()["host"]:
             return
-        for _ in range(20):
-            if shm.process_gone(pid):
-                removed = shm.sweep(pid)
-                if removed:
-                    logger.info("removed %d shared-memory segment(s) of the dead scheduler (pid %d)", removed, pid)
-                return
-            await asyncio.sleep(0.05)
+        removed = await shm.sweep_when_gone(pid)
+        if removed:
+            logger.info("removed %d shared-memory segment(s) of the dead scheduler (pid %d)", removed, pid)
 
     # -- state machine driving
 
