@@ -24,7 +24,6 @@ from ..protocol import SAME_HOST
 from . import shm as _shm
 from .shm import (
     _DATA_OFFSET,
-    _HEADER,
     ShmUnavailable,
     _align,
     _fill_segment,
@@ -72,13 +71,11 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
             private.append(i)
     if private and leases.active():
         try:
-            copied = _copy_big([raws[i] for i in private], TRANSFER_MIN_BYTES, _DATA_OFFSET, flag=1)
+            handed = hand_over_buffers([raws[i] for i in private])
         except ShmUnavailable:
-            copied = None
-        if copied is not None:
-            name = copied[1]
-            leases.lease(lambda: unlink(name))
-            for i, ref in zip(private, copied[0]):
+            handed = None
+        if handed is not None:
+            for i, ref in zip(private, handed.refs):
                 refs[i] = ref
     frames: list[Any] = [data, *(raw for raw, ref in zip(raws, refs) if ref is None)]
     return ({"refs": refs} if any(r is not None for r in refs) else {}), frames
@@ -165,13 +162,14 @@ def place_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTE
 
 def hand_over_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTES) -> PlacedBuffers | None:
     """Like :func:`place_buffers`, but for the receiver to take over: flag-1 refs to a
-    transfer segment, under a lease (inside a transport's serialization) that removes
-    it should the receiver neither map nor adopt it."""
+    transfer segment (buffers from offset 4096: room for the value's pickle stream, should
+    the receiver keep the segment as the value's), under a lease (inside a transport's
+    serialization) that removes it should the receiver neither map nor adopt it."""
     from ..protocol import leases
 
     if any(r.nbytes >= min_bytes for r in raws) and enabled():
         reclaim_returned()  # segments the receiver gave back: their pages are there
-    placed = _copy_big(raws, min_bytes, _HEADER, flag=1)
+    placed = _copy_big(raws, min_bytes, _DATA_OFFSET, flag=1)
     if placed is None:
         return None
     refs, name, _ = placed
