@@ -13,6 +13,11 @@ segment keeps valid memory after the owner unlinks the name.
 Whether two processes share a shared-memory domain is tested, not guessed from host
 names: one creates a probe segment and the other opens it (:func:`probe`,
 :func:`check_probe`). ``SHOAL_SHM=0`` turns the data plane off.
+
+Names come from peers, and ``/dev/shm`` is writable by every process of the host: a
+name is turned into a path only if it looks like one of shoal's (:func:`_path`), and
+an existing file is used only through :func:`_open_segment`, which neither follows a
+symlink nor waits on a FIFO and takes nothing but a regular file of this user.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import mmap
 import os
 import pickle
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -88,10 +94,60 @@ def enabled() -> bool:
     return _HAS_SHM_DIR and os.environ.get("SHOAL_SHM", "1") != "0"
 
 
+#: the longest file name tmpfs takes (NAME_MAX)
+_MAX_NAME = 255
+#: opening a name someone else may have made: never follow a symlink out of /dev/shm,
+#: never wait for a writer (a FIFO), never leak the descriptor into a child's exec
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: whose files this process takes for segments (read once: checking costs no syscall;
+#: refreshed in a forked child)
+_euid = os.geteuid()
+
+
 def _path(name: str) -> str:
-    if "/" in name or not name.startswith(PREFIX):
-        raise ValueError(f"not a shoal segment name: {name!r}")
-    return os.path.join(SHM_DIR, name)
+    """``/dev/shm/<name>`` for a name in shoal's form (``shoal-...``, at most 255
+    characters, no ``/``, no ``..``, no NUL). Raises ``ValueError`` for any other name,
+    e.g. one a peer made up to reach a file outside ``/dev/shm``."""
+    if (
+        type(name) is not str
+        or not name.startswith(PREFIX)
+        or len(name) <= len(PREFIX)
+        or len(name) > _MAX_NAME
+        or "/" in name
+        or ".." in name
+        or "\0" in name
+    ):
+        raise ValueError(f"not a shoal segment name: {name!r:.300}")
+    return f"{SHM_DIR}/{name}"
+
+
+def _open_segment(name: str, flags: int) -> tuple[int, os.stat_result]:
+    """Open the segment file ``name`` (``flags``: its access mode) and return the
+    descriptor and its ``fstat``.
+
+    Raises ``ValueError`` for a name not in shoal's form (:func:`_path`), and
+    ``FileNotFoundError`` when there is no file by that name or what is there is no
+    segment: a symlink, a FIFO, a device, a directory, another user's file (also one
+    this process may not open). Any other ``OSError`` propagates.
+    """
+    try:
+        fd = os.open(_path(name), flags | _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
+            # a symlink (O_NOFOLLOW), a FIFO without reader (O_NONBLOCK), a directory,
+            # another user's file that a non-root process may not open
+            raise FileNotFoundError(f"{SHM_DIR}/{name} is not a shoal segment ({exc.strerror})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != _euid:
+        os.close(fd)
+        what = f"a file of uid {st.st_uid}" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise FileNotFoundError(f"{SHM_DIR}/{name} is not a shoal segment of this user ({what})")
+    return fd, st
 
 
 def _new_name(kind: str = "") -> str:
@@ -258,8 +314,9 @@ def _writable_segment(need: int, mapped: bool = True) -> tuple[str, int, int, mm
 def _writer(name: str, size: int) -> mmap.mmap:
     """The owner's shared mapping of a segment. Made through a descriptor of its own:
     mmap keeps a duplicate of the descriptor it is given, and a duplicate of the
-    locked one would hold the exclusive lock for as long as the mapping lives."""
-    fd = os.open(_path(name), os.O_RDWR)
+    locked one would hold the exclusive lock for as long as the mapping lives. Raises
+    ``OSError`` (``FileNotFoundError`` if the file is gone or no segment any more)."""
+    fd, _ = _open_segment(name, os.O_RDWR)
     try:
         # MAP_POPULATE maps every page in one call: far cheaper here than a fault per page
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -341,8 +398,8 @@ def _reuse(need: int, mapped: bool = True) -> tuple[str, int, int, mmap.mmap | N
             _pool.remove(entry)
     for i, (size, old) in enumerate(candidates):
         try:
-            fd = os.open(_path(old), os.O_RDWR)
-        except OSError:
+            fd, _ = _open_segment(old, os.O_RDWR)
+        except OSError:  # gone, or replaced by something that is no segment of ours
             with _lock:
                 _owned.discard(old)
             continue
@@ -446,7 +503,8 @@ def attach(info: Sequence[Any]) -> Any:
     """Map a segment copy-on-write and rebuild its value (zero-copy, writeable).
 
     Raises ``FileNotFoundError`` if the segment is gone (unlinked, owner died, reused)
-    and ``ValueError`` for a malformed description.
+    or what bears its name is no segment of this user (see :func:`map_segment`), and
+    ``ValueError`` for a malformed description (a name not in shoal's form included).
     """
     try:
         name, size, nbytes, layout, token = info
@@ -454,6 +512,10 @@ def attach(info: Sequence[Any]) -> Any:
         spans = [(int(o), int(n)) for o, n in layout]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed segment description {info!r:.200}") from exc
+    _path(name)  # the name's own error first: it says more than one about sizes
+    # a slice beyond the mapping would be cut short silently, not fail
+    if nbytes < 0 or _HEADER + nbytes > size or any(o < 0 or n < 0 or o + n > size for o, n in spans):
+        raise ValueError(f"segment description with spans outside the segment {info!r:.200}")
     view = map_segment(name, size, str(token))
     return pickle.loads(view[_HEADER : _HEADER + nbytes], buffers=[view[o : o + n] for o, n in spans])
 
@@ -475,14 +537,18 @@ def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool
     sees: a task's arguments). With ``adopt`` (a transfer segment sent to this
     process) the file is renamed to a name of this process, which it keeps while the
     mapping lives and then retires to its pool; :func:`locate` gives the new name.
-    Raises ``FileNotFoundError`` if it is gone or now holds something else."""
+    Raises ``FileNotFoundError`` if it is gone, now holds something else or is no
+    segment of this user (see :func:`_open_segment`), ``ValueError`` for a name not in
+    shoal's form or a size the file does not have."""
     if not own:
         with _lock:
             entry = _maps.get(name)
             m = entry[0]() if entry is not None and entry[1] == token else None
         if m is not None and len(m) >= size:
             return memoryview(m)
-    fd = os.open(_path(name), os.O_RDONLY)
+    if size < _HEADER:
+        raise ValueError(f"segment {name!r:.300} described with {size} bytes, less than its header")
+    fd, st = _open_segment(name, os.O_RDONLY)
     try:
         try:
             # held while the mapping lives: the owner cannot reuse the segment meanwhile
@@ -491,7 +557,7 @@ def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool
             raise FileNotFoundError(f"segment {name} is being rewritten") from None
         if os.pread(fd, _HEADER, 0) != _header(token):
             raise FileNotFoundError(f"segment {name} no longer holds the value asked for")
-        if os.fstat(fd).st_size < size:
+        if st.st_size < size:
             raise ValueError(f"segment {name} is smaller than described")
         m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         if adopt:
@@ -511,8 +577,13 @@ def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool
         weakref.finalize(m, os.close, fd).atexit = False  # the lock goes with the mapping
         return view
     start = _address(view)
+    retire_size = size if adopt else -1
+
+    def gone(_ref: weakref.ref[mmap.mmap]) -> None:
+        _forget(name, fd, retire_size)
+
     with _lock:
-        _maps[name] = (weakref.ref(m, lambda _r, name=name, fd=fd: _forget(name, fd, size if adopt else -1)), token)
+        _maps[name] = (weakref.ref(m, gone), token)
         if start is not None:
             _ranges[name] = (start, start + size, token)
     return view
@@ -592,8 +663,9 @@ def _forget_parent_segments() -> None:
     _writers.clear()
     _born_names.clear()
     _later.clear()
-    global adopt_transfers
+    global adopt_transfers, _euid
     adopt_transfers = False
+    _euid = os.geteuid()
 
 
 os.register_at_fork(after_in_child=_forget_parent_segments)
@@ -623,14 +695,20 @@ def segments_of(pid: int) -> list[str]:
 
 
 def sweep(pid: int) -> int:
-    """Remove the segments of a process that is gone; returns how many."""
-    names = segments_of(pid)
-    for name in names:
+    """Remove the segments of a process that is gone; returns how many. Only this
+    user's regular files go: the pid may come from a peer, and a file another user
+    made under that name is not ours to remove."""
+    removed = 0
+    for name in segments_of(pid):
         try:
-            os.unlink(_path(name))
-        except FileNotFoundError:
+            path = _path(name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == _euid:
+                os.unlink(path)
+                removed += 1
+        except (OSError, ValueError):
             pass
-    return len(names)
+    return removed
 
 
 async def sweep_when_gone(pid: int, wait: float = 1.0) -> int:
@@ -698,14 +776,18 @@ def probe() -> tuple[str, str] | None:
 
 
 def check_probe(name: Any, token: Any) -> bool:
-    """Whether this process can open the peer's probe (same shared-memory domain)."""
+    """Whether this process can open the peer's probe (same shared-memory domain):
+    False at once for anything but a regular file of this user, in shoal's naming,
+    holding ``token`` (a FIFO, say, which a blocking open would wait on forever)."""
     if not enabled() or not isinstance(name, str) or not isinstance(token, str):
         return False
     try:
-        fd = os.open(_path(name), os.O_RDONLY)
+        fd, _ = _open_segment(name, os.O_RDONLY)
     except (OSError, ValueError):
         return False
     try:
         return os.read(fd, 64).decode(errors="replace") == token
+    except OSError:
+        return False
     finally:
         os.close(fd)

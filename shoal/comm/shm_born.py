@@ -56,6 +56,7 @@ def provide_array_memory(nbytes: int) -> int | None:
     if got is None:
         return None
     name, fd, size, writer = got
+    assert writer is not None  # _reuse maps what it reuses unless told not to
     import ctypes
 
     anchor = ctypes.c_char.from_buffer(writer)  # the mapping cannot close while held

@@ -10,10 +10,19 @@ than once in a segment this process keeps for as long as that object lives;
 :func:`adopt_refs` is that taking over, by a receiver that keeps the value serialized,
 and :func:`forward_refs` what such a receiver sends on; :func:`map_refs` turns
 references back into buffers.
+
+A receiver removes or renames a transfer segment (flag 1) only if the sender leased it
+on the connection the entry came on (its table entry lists lease ids,
+:data:`~shoal.protocol.core.decoding_leases`) and, when the transport knows the peer's
+pid (:data:`receiving_from`), only if the segment is named after that pid. Any other
+flag-1 ref is mapped like a flag-0 one and its file left alone: a peer cannot make this
+process remove or take over segments another process owns.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import os
 import pickle
 import weakref
@@ -21,9 +30,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..protocol import SAME_HOST
+from ..protocol.core import decoding_leases
 from . import shm as _shm
 from .shm import (
     _DATA_OFFSET,
+    PREFIX,
     ShmUnavailable,
     _align,
     _fill_segment,
@@ -38,11 +49,34 @@ from .shm import (
 from .shm_handover import adopt_segment, give_back_later, reclaim_returned
 
 __all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "hand_over_buffers",
-           "map_refs", "adopt_refs", "forward_refs"]
+           "map_refs", "adopt_refs", "forward_refs", "receiving_from"]
 
+logger = logging.getLogger("shoal.comm.shm_family")
 
 #: private buffers at least this large cross to a same-host peer through a new segment
 TRANSFER_MIN_BYTES = 1 << 20
+
+#: the pid of the peer whose message is being decoded, as its transport authenticated
+#: it (``None``: unknown). The transport sets it around :func:`~shoal.protocol.loads`;
+#: while it is set, a transfer segment (flag-1 ref) is removed or renamed only if its
+#: name says that process made it (``shoal-<pid>-...``): the others are only mapped.
+receiving_from: contextvars.ContextVar[int | None] = contextvars.ContextVar("receiving_from", default=None)
+#: whether a transfer named after another process than the peer was reported
+_warned_foreign: list[bool] = []
+
+
+def _from_peer(name: str) -> bool:
+    """Whether the transfer segment ``name`` may be the peer's own: always when the
+    peer's pid is unknown; else only a name made by that pid (warned once if not)."""
+    pid = receiving_from.get()
+    if pid is None or name.startswith(f"{PREFIX}{pid}-"):
+        return True
+    if not _warned_foreign:
+        _warned_foreign.append(True)
+        logger.warning("process %d sent a transfer segment named %r, which is not named after it: "
+                       "mapped, but neither removed nor taken over (further ones are not reported)",
+                       pid, name[:300])
+    return False
 
 
 def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[Any]]:
@@ -92,12 +126,16 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
     """The buffers a family header's ``refs`` describe: each ``None`` takes the next
     frame, each ``[name, size, offset, length, flag, token]`` is mapped from its
     segment (copy-on-write; with ``own`` in mappings of their own, see
-    :func:`~.shm.map_segment`); with flag 1 (a transfer) the name is removed once mapped.
-    Raises ``FileNotFoundError`` for a segment that is gone, ``ValueError`` for refs
-    that do not describe buffers."""
+    :func:`~.shm.map_segment`); with flag 1 (a transfer) the name is removed once mapped,
+    or the file kept under a name of this process (:data:`.shm.adopt_transfers`), but
+    only for an entry its sender leased, and named after the peer (module docstring);
+    any other flag-1 ref counts as flag 0. Raises ``FileNotFoundError`` for a segment
+    that is gone or no segment of this user, ``ValueError`` for refs that do not
+    describe buffers (a name not in shoal's form included)."""
     buffers: list[Any] = []
     it = iter(frames)
     views: dict[tuple[str, str], memoryview] = {}  # one mapping per segment and call
+    leased = bool(decoding_leases.get())
     for ref in refs:
         if ref is None:
             try:
@@ -114,12 +152,13 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
             raise ValueError(f"malformed shared-memory reference {ref!r:.200}")
         # a transfer (flag 1) is ours once mapped: a worker keeps it under a name of its
         # own (its peers may map it then); any other process removes the name
-        adopt = flag == 1 and not own and _shm.adopt_transfers
+        take = flag == 1 and leased and _from_peer(name)
+        adopt = take and not own and _shm.adopt_transfers
         view = views.get((name, str(token)))
         if view is None or view.nbytes < size:
             view = views[name, str(token)] = map_segment(name, size, str(token), own=own, adopt=adopt)
         buffers.append(view[offset : offset + length])
-        if flag == 1 and not adopt:
+        if take and not adopt:
             try:
                 os.unlink(_path(name))
             except FileNotFoundError:
@@ -214,7 +253,8 @@ def adopt_refs(s: Any) -> bool:
     process, the refs now name it with flag 0, and ``s.keep`` holds it for as long as
     ``s`` lives (then it is given back to its maker, or removed). True if it took any:
     the sender's lease may end. A file that is gone or holds another generation stays
-    named as it was (decoding it fails)."""
+    named as it was (decoding it fails); so does one not named after the peer
+    (:data:`receiving_from`). Called only for entries that came with lease ids."""
     refs = s.header.get("refs") if isinstance(s.header, dict) else None
     if not isinstance(refs, list) or not enabled():
         return False
@@ -224,6 +264,8 @@ def adopt_refs(s: Any) -> bool:
             continue
         old = ref[0]
         if old not in renamed:
+            if not _from_peer(old):
+                continue
             new = adopt_segment(old, str(ref[5]))
             if new is None:
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import stat
 from typing import Any
 
 from . import shm
@@ -26,6 +27,7 @@ from .shm import (
     _close_writer,
     _header,
     _new_name,
+    _open_segment,
     _path,
     _pwrite_all,
     locate,
@@ -44,9 +46,10 @@ return_to: set[int] = set()
 def adopt_segment(name: str, token: str) -> str | None:
     """Make another process's transfer segment this process's own: rename it to a
     name of ours (its sender then cannot remove it); the new name, or ``None`` if it
-    is gone or holds something else than generation ``token``."""
+    is gone, holds something else than generation ``token`` or is no segment of this
+    user (see :func:`.shm._open_segment`)."""
     try:
-        fd = os.open(_path(name), os.O_RDONLY)
+        fd, _ = _open_segment(name, os.O_RDONLY)
     except (OSError, ValueError):
         return None
     try:
@@ -113,7 +116,7 @@ def describe_kept(value: Any) -> SegmentInfo | None:
         return None
     name, size, _, _, token = segment
     try:
-        fd = os.open(_path(name), os.O_WRONLY)
+        fd, _ = _open_segment(name, os.O_WRONLY)
         try:
             _pwrite_all(fd, data, _HEADER)
         finally:
@@ -131,17 +134,23 @@ def reclaim_returned() -> int:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
     except OSError:
         return 0
+    taken = 0
     for name in names:
         try:
-            size = os.stat(_path(name)).st_size
+            # anyone may make a file by such a name: take only this user's regular ones
+            st = os.lstat(_path(name))
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != shm._euid:
+                continue
+            size = st.st_size
             pooled = _new_name("pool")
             os.rename(_path(name), _path(pooled))
-        except OSError:
+        except (OSError, ValueError):
             continue
         with shm._lock:
             shm._owned.add(pooled)
         shm._retire(pooled, size)  # into the pool, or removed if the pool is full
-    return len(names)
+        taken += 1
+    return taken
 
 
 os.register_at_fork(after_in_child=return_to.clear)  # a forked child serves no one

@@ -14,7 +14,9 @@ destination, as a real GPU array's family would do it:
 - ``remote``: the bytes themselves, as a frame.
 
 Use it as a template: ``register()`` installs the family in this process; both ends
-must call it.
+must call it. The handle comes from the wire: the receiver checks that it names an
+export in shoal's form before it opens anything, and opens only a regular file of its
+own user, without following a symlink or waiting on a FIFO.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import stat
 import threading
 from typing import Any
 
@@ -98,9 +101,48 @@ def _free_export(handle: str) -> None:
         _record("freed", handle)
 
 
-def _import(handle: str, nbytes: int) -> DeviceArray:
-    fd = os.open(f"/dev/shm/{handle}", os.O_RDONLY)
+#: the longest file name /dev/shm takes
+_MAX_HANDLE = 255
+#: whose files an export may be (read once: no syscall per import for it)
+_EUID = os.geteuid()
+
+
+def _handle_path(handle: Any) -> str:
+    """The file of an export named ``handle``. Raises ``ValueError`` for a handle not
+    in this family's form (``shoal-...``, no ``/``, no ``..``, no NUL, at most 255
+    characters): one that would reach outside ``/dev/shm``, say."""
+    if (
+        type(handle) is not str
+        or not handle.startswith("shoal-")
+        or len(handle) > _MAX_HANDLE
+        or "/" in handle
+        or ".." in handle
+        or "\0" in handle
+    ):
+        raise ValueError(f"not a device-array handle: {handle!r:.300}")
+    return f"/dev/shm/{handle}"
+
+
+def _import(handle: Any, nbytes: int) -> DeviceArray:
+    """Copy the export ``handle`` into an allocation of this process. Raises
+    ``ValueError`` for a bad handle or size, or a file that is no export (a symlink, a
+    FIFO, another user's file, one shorter than ``nbytes``); ``FileNotFoundError`` if
+    the export is gone."""
+    if nbytes < 0:
+        raise ValueError(f"device array of {nbytes} bytes")
+    path = _handle_path(handle)
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO nobody writes to
+        raise ValueError(f"cannot import device array {handle!r:.300}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != _EUID:
+            raise ValueError(f"{path!r:.300} is not a device-array export of this user")
+        if st.st_size < nbytes:  # also keeps a made-up size from sizing the read buffer
+            raise ValueError(f"{path!r:.300} holds {st.st_size} bytes, not the {nbytes} announced")
         data = os.read(fd, nbytes)
     finally:
         os.close(fd)

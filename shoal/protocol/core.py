@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import msgpack
@@ -32,6 +33,7 @@ from ..errors import ProtocolError, SerializationError
 from .leases import Lease, collecting
 from .serialize import (
     DESTINATIONS,
+    BigInt,
     REMOTE,
     Serialize,
     Serialized,
@@ -46,6 +48,8 @@ __all__ = ["dumps", "loads", "prepare", "Prepared", "unwrap", "INLINE_BYTES_LIMI
 
 EXT_TUPLE = 1
 EXT_OOB = 2
+#: tuples (msgpack ext 1) nest at most this deep in a received message
+MAX_NESTING = 32
 # bytes values larger than this leave the header and travel as their own frame
 INLINE_BYTES_LIMIT = 1 << 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -173,7 +177,7 @@ def _walk(obj: Any, values: list[tuple[Any, bool]], opaque: bool = True) -> Any:
     if typ is str or typ is float or typ is bool or obj is None:
         return obj
     if typ is int:
-        return obj if _INT_MIN <= obj <= _INT_MAX else _oob(obj, False, values)
+        return obj if _INT_MIN <= obj <= _INT_MAX else _oob(BigInt(obj), False, values)
     if typ is dict:
         items = None
         for i, (k, v) in enumerate(obj.items()):
@@ -251,6 +255,11 @@ def _sub(path: str, key: Any) -> str:
     return f"{path}[{key!r}]"
 
 
+#: the lease ids of the table entry whose family ``loads`` runs now (empty: it came
+#: without any): a family takes a side channel over only if its sender leased it
+decoding_leases: ContextVar[tuple[int, ...]] = ContextVar("decoding_leases", default=())
+
+
 def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | None = None) -> Any:
     """Rebuild a message from frames.
 
@@ -266,7 +275,7 @@ def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | N
     if len(frames) > 1:
         try:
             # family headers may hold tuples (packed as EXT_TUPLE), e.g. a shape
-            table = msgpack.unpackb(frames[1], use_list=True, raw=False, ext_hook=_table_ext)
+            table = msgpack.unpackb(frames[1], use_list=True, raw=False, ext_hook=_TableExtHook())
         except Exception as exc:
             raise ProtocolError(f"malformed out-of-band table: {exc}") from exc
         if not isinstance(table, list):
@@ -287,12 +296,23 @@ def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | N
                 raise ProtocolError("out-of-band table names more frames than were sent")
             s = Serialized(family, fheader if isinstance(fheader, dict) else {}, frames[pos : pos + n])
             pos += n
+            if not deserialize and not opaque and not _plain(s):
+                # a receiver that keeps values opaque (the scheduler) runs no family's
+                # code on what a peer sent, and so never unpickles
+                raise ProtocolError(
+                    f"an out-of-band value of family {family!r} where this receiver decodes "
+                    "only plain bytes (a value for it to forward must be marked opaque)"
+                )
             if deserialize or not opaque:
-                entries.append(_deserialize(s))
+                leased = decoding_leases.set(tuple(entry[4]) if len(entry) == 5 else ())
+                try:
+                    entries.append(_deserialize(s))
+                finally:
+                    decoding_leases.reset(leased)
                 if len(entry) == 5 and leases is not None:
                     leases.extend(entry[4])
             else:
-                if len(entry) == 5 and leases is not None:
+                if len(entry) == 5 and entry[4] and leases is not None:
                     # kept serialized: its family may take the side channel over
                     adopt = _forwarding.get(family, _NO_HOOKS)[0]
                     if adopt is not None and adopt(s):
@@ -302,11 +322,23 @@ def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | N
             raise ProtocolError(f"{len(frames) - pos} frame(s) not named by the out-of-band table")
 
     try:
-        return _unpack(frames[0], _ExtHook(entries) if entries else _NO_ENTRIES)
+        return _unpack(frames[0], _ExtHook(entries))
     except ProtocolError:
         raise
     except Exception as exc:
         raise ProtocolError(f"malformed message header: {type(exc).__name__}: {exc}") from exc
+
+
+_PLAIN_BYTES = ("bytes", "bytearray", "memoryview")
+
+
+def _plain(s: Serialized) -> bool:
+    """Whether ``s`` is plain bytes or a big int, which the ``bytes`` and ``int``
+    families rebuild without running anything a peer chose (the ``bytes`` family's
+    ``pickle`` kind, for subclasses, is not plain)."""
+    if s.family == "int":
+        return True
+    return s.family == "bytes" and s.header.get("kind") in _PLAIN_BYTES
 
 
 class _ExtHook:
@@ -314,16 +346,26 @@ class _ExtHook:
 
     A class rather than a closure: a closure that passes itself to ``_unpack`` is a
     reference cycle, which would keep every received value alive until the cyclic GC.
+    Each nested tuple is a nested call of the unpacker (whose frame holds a large
+    stack of its own): ``depth`` bounds them, or a small crafted message would
+    overflow the C stack.
     """
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "depth")
 
     def __init__(self, entries: list[Any]):
         self.entries = entries
+        self.depth = 0
 
     def __call__(self, code: int, data: bytes) -> Any:
         if code == EXT_TUPLE:
-            return tuple(_unpack(data, self))
+            if self.depth >= MAX_NESTING:
+                raise ProtocolError(f"tuples nested more than {MAX_NESTING} deep")
+            self.depth += 1
+            try:
+                return tuple(_unpack(data, self))
+            finally:
+                self.depth -= 1
         if code == EXT_OOB:
             i = int.from_bytes(data, "little")
             if i >= len(self.entries):
@@ -332,13 +374,24 @@ class _ExtHook:
         raise ProtocolError(f"unknown msgpack extension type {code}")
 
 
-_NO_ENTRIES = _ExtHook([])  # shared by messages without out-of-band values (never mutated)
+class _TableExtHook:
+    """Tuples in family headers (a shape), as deep as :data:`MAX_NESTING`."""
 
+    __slots__ = ("depth",)
 
-def _table_ext(code: int, data: bytes) -> Any:
-    if code == EXT_TUPLE:
-        return tuple(_unpack(data, _table_ext))
-    raise ProtocolError(f"unexpected msgpack extension type {code} in the out-of-band table")
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __call__(self, code: int, data: bytes) -> Any:
+        if code != EXT_TUPLE:
+            raise ProtocolError(f"unexpected msgpack extension type {code} in the out-of-band table")
+        if self.depth >= MAX_NESTING:
+            raise ProtocolError(f"tuples nested more than {MAX_NESTING} deep in the out-of-band table")
+        self.depth += 1
+        try:
+            return tuple(_unpack(data, self))
+        finally:
+            self.depth -= 1
 
 
 def _unpack(data: Any, ext_hook: Any) -> Any:

@@ -415,6 +415,28 @@ def sizeof(obj: Any) -> int:
     return size
 
 
+class BigInt:
+    """An int too large for msgpack, on its way out of band (family ``int``: its
+    decimal digits in the header, so that a receiver rebuilds it without unpickling)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int):
+        self.value = value
+
+
+def _int_dumps(obj: Any, destination: str) -> tuple[Header, Frames]:
+    return {"int": str(obj.value)}, []
+
+
+def _int_loads(header: Header, frames: Sequence[Any]) -> Any:
+    digits = header["int"]
+    if not isinstance(digits, str) or len(digits) > 4300:
+        raise ValueError("an int family value holds at most 4300 decimal digits")
+    return int(digits)
+
+
 register_serializer(object, _pickle_family_dumps, _pickle_family_loads, name="pickle")
+register_serializer(BigInt, _int_dumps, _int_loads, name="int")
 for _t in _BYTES_TYPES:
     register_serializer(_t, _bytes_dumps, _bytes_loads, name="bytes")

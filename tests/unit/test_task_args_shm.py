@@ -184,7 +184,8 @@ def test_several_large_arguments_share_one_segment_mapped_once(handoff):
     a, b = np.full(2 * MB // 8, 1.0), np.full(3 * MB // 8, 2.0)
     spec = RunSpec(_sum_all, (a, b))
     spec.handoff = handoff
-    s = loads(prepare({"p": to_serialize(spec)}).frames(SAME_HOST), deserialize=False)["p"]
+    prepared = prepare({"p": to_serialize(spec)})
+    s = loads(prepared.frames(SAME_HOST), deserialize=False)["p"]
     refs = _refs(s)
     assert len(refs) == 2 and refs[0][0] == refs[1][0] and refs[0][4] == refs[1][4] == int(handoff)
     got = deserialize(s)
@@ -192,6 +193,9 @@ def test_several_large_arguments_share_one_segment_mapped_once(handoff):
     # both arguments are views of one mapping: as far apart as in the segment
     address = [x.__array_interface__["data"][0] for x in got.args]
     assert address[1] - address[0] == refs[1][2] - refs[0][2]
+    # decoded outside the entry that leased it, a transfer is not removed by its
+    # receiver: the sender's lease ends (as a transport ends it) and removes it
+    prepared.end_leases("closed")
 
 
 def test_a_ref_whose_file_holds_something_else_is_not_adopted():
