@@ -24,6 +24,9 @@ class AddWorkerEvent(Event):
     host: str = ""
     pid: int = 0
     name: str = ""
+    #: when it registered, on the clock of :class:`CheckLivenessEvent` (None: its
+    #: silence is counted from the next check)
+    now: float | None = None
 
 
 @dataclass
@@ -31,6 +34,22 @@ class RemoveWorkerEvent(Event):
     address: str
     #: whether the worker died (its running tasks count as suspicious) or left cleanly
     crashed: bool = True
+
+
+@dataclass
+class HeartbeatEvent(Event):
+    """The worker sent something at ``now`` (a heartbeat or any other message: all
+    are signs of life)."""
+
+    worker: str
+    now: float
+
+
+@dataclass
+class CheckLivenessEvent(Event):
+    """A tick of the clock: workers silent for longer than ``worker_ttl`` go."""
+
+    now: float
 
 
 @dataclass
@@ -153,6 +172,16 @@ class ComputeTask(Instruction):
 class FreeKeys(Instruction):
     worker: str
     keys: list[Key]
+
+
+@dataclass
+class CloseWorkerStream(Instruction):
+    """The state removed this worker without its connection ending: end it, so the
+    worker, should it come back to life, sees that it is gone."""
+
+    worker: str
+    #: seconds the scheduler had heard nothing from it
+    silent_for: float
 
 
 @dataclass

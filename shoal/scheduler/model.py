@@ -30,6 +30,10 @@ class WorkerState:
     processing: set[TaskState] = field(default_factory=set)
     has_what: set[TaskState] = field(default_factory=set)
     nbytes: int = 0
+    #: when it last sent anything, on the clock of the liveness events (None: not yet)
+    last_seen: float | None = None
+    #: the last liveness check found it silent for longer than the ttl
+    overdue: bool = False
 
     def __repr__(self) -> str:
         return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"

@@ -34,6 +34,10 @@ by :meth:`SchedulerState._recommend`; one that no longer fits when its turn come
 task recommended "forgotten" that a dependent needs again) is skipped.
 :meth:`validate` checks the invariants; the tests call it after every step.
 
+Liveness (:mod:`.liveness`, time arrives only in ``HeartbeatEvent`` and
+``CheckLivenessEvent``): a worker silent for ``worker_ttl`` is removed as if it had
+died, since a task that freezes its worker is as fatal as one that kills it.
+
 The scheduler never looks inside a task's payload: it holds it opaque and forwards it.
 """
 
@@ -49,10 +53,13 @@ from .events import (
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
+    CheckLivenessEvent,
     ClientMsg,
+    CloseWorkerStream,
     ComputeTask,
     Event,
     FreeKeys,
+    HeartbeatEvent,
     Instruction,
     MissingDataEvent,
     NewTask,
@@ -65,6 +72,7 @@ from .events import (
     UpdateDataEvent,
     UpdateGraphEvent,
 )
+from .liveness import expired, note_seen
 from .model import (
     InvalidTransition,
     TaskState,
@@ -94,10 +102,13 @@ __all__ = [
     "UpdateDataEvent",
     "MissingDataEvent",
     "RescheduleEvent",
+    "HeartbeatEvent",
+    "CheckLivenessEvent",
     # instructions
     "ComputeTask",
     "FreeKeys",
     "ClientMsg",
+    "CloseWorkerStream",
 ]
 
 Key = Hashable
@@ -111,7 +122,8 @@ ALLOWED_FAILURES = 3
 class SchedulerState:
     """Tasks, workers and clients; ``handle(*events) -> list[instruction]``."""
 
-    def __init__(self, ahead: int = DEFAULT_AHEAD, allowed_failures: int = ALLOWED_FAILURES, log_size: int = 10_000):
+    def __init__(self, ahead: int = DEFAULT_AHEAD, allowed_failures: int = ALLOWED_FAILURES, log_size: int = 10_000,
+                 worker_ttl: float = 0.0):
         self.tasks: dict[Key, TaskState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.clients: set[str] = set()
@@ -123,6 +135,8 @@ class SchedulerState:
         #: moving average of task run times (seconds), reported by workers
         self.average_duration = 0.0
         self.allowed_failures = allowed_failures
+        #: seconds of silence after which a worker is removed (0: never)
+        self.worker_ttl = worker_ttl
         self.queued: list[TaskState] = []  # heap by priority
         self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
         self._generation = itertools.count()
@@ -143,6 +157,8 @@ class SchedulerState:
             UpdateDataEvent: self._update_data,
             MissingDataEvent: self._missing_data,
             RescheduleEvent: self._reschedule,
+            HeartbeatEvent: self._heartbeat,
+            CheckLivenessEvent: self._check_liveness,
         }
 
     # -- entry point
@@ -153,9 +169,10 @@ class SchedulerState:
         for event in events:
             self._stimulus = event.stimulus_id
             self._instructions = out
-            self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
+            if type(event) not in _CLOCK_EVENTS:
+                self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
             self._handlers[type(event)](event)
-            if self.queued:
+            if self.queued and type(event) is not HeartbeatEvent:
                 # slots may have opened anywhere (finished, cancelled, released tasks)
                 self._fill_all()
         self._instructions = []
@@ -168,32 +185,28 @@ class SchedulerState:
             return
         if ev.nthreads < 1:
             raise ValueError(f"worker {ev.address} has {ev.nthreads} threads")
-        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name)
+        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name, last_seen=ev.now)
         # tasks that failed for want of this worker, or were waiting for any worker
         self._fill(self.workers[ev.address])
 
     def _remove_worker(self, ev: RemoveWorkerEvent) -> None:
         ws = self.workers.pop(ev.address, None)
-        if ws is None:
-            return
+        if ws is not None:
+            self._drop_worker(ws, ev.crashed)
+
+    def _drop_worker(self, ws: WorkerState, crashed: bool) -> None:
+        """Reschedule the tasks of ``ws``, no longer in ``self.workers``, and forget its values."""
         recs: dict[TaskState, str] = {}
         for ts in sorted(ws.processing):
             ws.processing.discard(ts)
             ts.processing_on = None
             ts.state = "released"
-            if ev.crashed:
+            if crashed:
                 ts.suspicious += 1
             if ts.suspicious >= self.allowed_failures:
-                recs.update(self._err(
-                    ts,
-                    exception=None,
-                    traceback=None,
-                    text=(
-                        f"KilledWorker: task {ts.key!r} was running on {ts.suspicious} workers "
-                        f"that died (the last: {ws.address}); it is not retried again"
-                    ),
-                    kind="KilledWorker",
-                ))
+                text = (f"KilledWorker: task {ts.key!r} was running on {ts.suspicious} workers "
+                        f"that died (the last: {ws.address}); it is not retried again")
+                recs.update(self._err(ts, None, None, text, kind="KilledWorker"))
             else:
                 recs[ts] = "waiting"
         for ts in sorted(ws.has_what):
@@ -207,6 +220,21 @@ class SchedulerState:
                 self._dequeue(ts)
                 recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
         self._recommend(recs)
+
+    def _heartbeat(self, ev: HeartbeatEvent) -> None:
+        ws = self.workers.get(ev.worker)
+        if ws is not None:
+            note_seen(ws, ev.now)
+
+    def _check_liveness(self, ev: CheckLivenessEvent) -> None:
+        gone = expired(self.workers.values(), ev.now, self.worker_ttl)
+        for ws, _ in gone:  # all of them first: none may take over another's tasks
+            del self.workers[ws.address]
+        for ws, silent in gone:
+            # logged when they act only: a heartbeat per worker a second would crowd the log
+            self.log.append((ev.stimulus_id, type(ev).__name__, ws.address))
+            self._emit(CloseWorkerStream(self._stimulus, ws.address, silent))
+            self._drop_worker(ws, crashed=True)
 
     def _add_client(self, ev: AddClientEvent) -> None:
         self.clients.add(ev.client)
@@ -744,6 +772,9 @@ class SchedulerState:
             counts[ts.state] = counts.get(ts.state, 0) + 1
         return counts
 
+
+#: events that only keep time: not logged unless they act (see _check_liveness)
+_CLOCK_EVENTS = frozenset({HeartbeatEvent, CheckLivenessEvent})
 
 #: states that hold a value or will compute one: worth forgetting once nobody needs them
 _ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})

@@ -67,3 +67,5 @@ def validate_state(state: SchedulerState) -> None:
         for ts in ws.has_what:
             assert ws in ts.who_has
         assert ws.nbytes == sum(max(ts.nbytes, 0) for ts in ws.has_what), ws
+        # only a check finds a worker overdue, and only when the rule is on
+        assert not ws.overdue or (state.worker_ttl > 0 and ws.last_seen is not None), ws

@@ -20,9 +20,12 @@ from scheduler_harness import Sched, msgs
 from shoal.scheduler.state import (
     AddWorkerEvent,
     CancelKeysEvent,
+    CheckLivenessEvent,
     ClientMsg,
+    CloseWorkerStream,
     ComputeTask,
     FreeKeys,
+    HeartbeatEvent,
     MissingDataEvent,
     NewTask,
     ReleaseKeysEvent,
@@ -46,7 +49,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Sched(ahead=1)
+        self.h = Sched(ahead=1, worker_ttl=5.0)
+        self.now = 0.0
         self.worker_ids = itertools.count()
         self.key_ids = itertools.count()
         #: worker -> keys the model believes it holds (to tell the scheduler truthfully)
@@ -88,6 +92,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), crashed=st.booleans())
     def remove_worker(self, i: int, crashed: bool) -> None:
         self.apply(RemoveWorkerEvent(self.h.sid(), self.pick(list(self.h.state.workers), i), crashed))
+
+    @precondition(lambda self: self.h.state.workers)
+    @rule(i=st.integers(0, 100))
+    def heartbeat(self, i: int) -> None:
+        self.apply(HeartbeatEvent(self.h.sid(), self.pick(list(self.h.state.workers), i), self.now))
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 6.0]))
+    def tick(self, dt: float) -> None:
+        """Time passes: workers silent for longer than the ttl go, as if they died."""
+        self.now += dt
+        before = set(self.h.state.workers)
+        out = self.apply(CheckLivenessEvent(self.h.sid(), self.now))
+        gone = {i.worker for i in out if isinstance(i, CloseWorkerStream)}
+        assert gone == before - set(self.h.state.workers)
 
     @rule(
         client=st.sampled_from(CLIENTS),
