@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import secrets
 import statistics
 import threading
 from collections.abc import Coroutine
@@ -133,6 +134,9 @@ def start_helper(target: Any, *args: Any, timeout: float = 120.0, cpus: Any = No
     ``"stop"`` or EOF (see :func:`wait_for_stop`). Returns a :class:`Helper` holding
     that value.
     """
+    # this process and its helpers are one cluster: they share a secret (shoal's
+    # listeners and connections take it from the environment)
+    os.environ.setdefault("SHOAL_AUTH", secrets.token_hex(16))
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_helper_main, args=(child, cpus, target, args), daemon=True)

@@ -5,6 +5,7 @@ across hosts)."""
 from __future__ import annotations
 
 from .errors import (
+    AuthenticationError,
     CommBrokenError,
     CommClosedError,
     CommConnectError,
@@ -33,6 +34,7 @@ from .errors import CancelledError, GraphError, KilledWorker, LostDataError
 
 if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
+    from .comm.security import Security
     from .deploy import LocalCluster
 
 # the client and cluster layers load on first use: a worker process never needs them
@@ -42,6 +44,7 @@ _LAZY = {
     "as_completed": "shoal.client",
     "wait": "shoal.client",
     "LocalCluster": "shoal.deploy",
+    "Security": "shoal.comm.security",
 }
 
 
@@ -74,6 +77,7 @@ __all__ = [
     "CommError",
     "DeserializationError",
     "HandshakeError",
+    "AuthenticationError",
     "ProtocolError",
     "RemoteError",
     "SerializationError",
@@ -86,4 +90,5 @@ __all__ = [
     "register_serializer",
     "serialize",
     "to_serialize",
+    "Security",
 ]

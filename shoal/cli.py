@@ -57,26 +57,69 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def _security_from(args: argparse.Namespace, address: str | None) -> Any:
+    """The Security the command line asks for: ``--no-auth``, ``--auth-file``, the
+    environment, or (``address`` None: a scheduler) a fresh secret; TLS files with it."""
+    from .comm import security
+
+    tls = {"ca_file": args.tls_ca_file, "cert": args.tls_cert, "key": args.tls_key}
+    if args.no_auth:
+        print("shoal: WARNING: --no-auth: any process that can reach this one may run code in it",
+              file=sys.stderr, flush=True)
+        return security.Security(auth=False, **tls)
+    if args.auth_file:
+        return security.Security.from_file(args.auth_file, **tls)
+    found = security.for_address(address) if address is not None else None
+    if found is None and address is None:
+        env = os.environ.get("SHOAL_AUTH")
+        found = security.Security(env) if env else security.Security.new()
+    if found is not None and any(tls.values()):
+        found = security.Security(found.secret, **tls)
+    return found
+
+
 def _scheduler(args: argparse.Namespace) -> int:
+    from .comm import security
     from .scheduler.server import Scheduler
 
+    sec = _security_from(args, None)
+    scheme = "tls" if sec.tls else "tcp"
+
     async def run() -> None:
-        scheduler = Scheduler()
-        await scheduler.start(f"tcp://{_hostport(args.host, args.port)}")
+        scheduler = Scheduler(security=sec)
+        written = None
+        share = sec.auth and not args.auth_file
+        if share and args.port:
+            # processes of this user on this host find the secret without being told
+            # (written before listening: a peer that connects at once finds it)
+            written = security.write_auth_file(f"tcp://{_hostport(args.host, args.port)}", sec)
+        await scheduler.start(f"{scheme}://{_hostport(args.host, args.port)}")
+        if share and written is None:
+            written = security.write_auth_file(scheduler.address, sec)
         print(f"shoal scheduler at {scheduler.address}", flush=True)
-        await _until_signalled()
-        await scheduler.close()
+        if written is not None:
+            print(f"shoal scheduler auth file {written}", flush=True)
+        try:
+            await _until_signalled()
+        finally:
+            await scheduler.close()
+            if written is not None:
+                security.remove_auth_file(scheduler.address, sec)
 
     _run(run())
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from .comm.core import parse_address
     from .worker.server import Worker
+
+    sec = _security_from(args, args.address)
+    scheme = parse_address(args.address)[0]
 
     async def run() -> None:
         worker = Worker(args.address, nthreads=args.nthreads, name=args.name or "",
-                        listen_address=f"tcp://{_hostport(args.host, 0)}")
+                        listen_address=f"{scheme}://{_hostport(args.host, 0)}", security=sec)
         await worker.start()
         print(f"shoal worker at {worker.address}", flush=True)
         stop = asyncio.ensure_future(_until_signalled())
@@ -115,6 +158,17 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
+def _security_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security")
+    group.add_argument("--auth-file", default=None,
+                       help="file holding the cluster's secret (mode 600); default: SHOAL_AUTH, SHOAL_AUTH_FILE, "
+                            "or the scheduler's auth file for this port (~/.shoal/auth)")
+    group.add_argument("--no-auth", action="store_true", help="no authentication at all (warns)")
+    group.add_argument("--tls-ca-file", default=None, help="CA certificate (PEM) for tls:// peers")
+    group.add_argument("--tls-cert", default=None, help="this process's certificate (PEM)")
+    group.add_argument("--tls-key", default=None, help="this process's private key (PEM)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,12 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     sched = sub.add_parser("scheduler", help="run a scheduler; prints its address")
     sched.add_argument("--host", default="127.0.0.1")
     sched.add_argument("--port", type=int, default=8786)
+    _security_arguments(sched)
     sched.set_defaults(func=_scheduler)
     worker = sub.add_parser("worker", help="run a worker that joins the scheduler at ADDRESS")
     worker.add_argument("address")
     worker.add_argument("--nthreads", type=int, default=1)
     worker.add_argument("--name", default="")
     worker.add_argument("--host", default="127.0.0.1", help="interface to listen on for peers")
+    _security_arguments(worker)
     worker.set_defaults(func=_worker)
     args = parser.parse_args(argv)
     return int(args.func(args))

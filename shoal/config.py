@@ -18,6 +18,20 @@ _DEFAULTS: dict[str, Any] = {
     "max-frame-bytes": 1 << 36,
     # tcp: more frames than this in one message is a protocol error
     "max-frames": 1 << 20,
+    # tcp: a message whose frames add up to more than this is a protocol error
+    "max-message-bytes": 1 << 36,
+    # tcp: seconds a peer may stay silent in the middle of a message before the
+    # connection is closed (0: forever)
+    "partial-message-timeout": 30.0,
+    # tcp: a request connection (not a stream) idle this many seconds is closed by the
+    # server; pools stop reusing their idle connections after half as long (0: never)
+    "idle-timeout": 300.0,
+    # tcp listeners: connections still in their handshake, at most, in all and from one
+    # peer host; more are refused at once
+    "max-handshaking": 256,
+    "max-handshaking-per-host": 128,
+    # tcp listeners: open connections at most (handshaking ones included)
+    "max-connections": 8192,
     # frames at least this large are written with a zero-copy path
     "large-frame-bytes": 1 << 20,
     # seconds a connect() waits, including the handshake
@@ -29,6 +43,12 @@ _DEFAULTS: dict[str, Any] = {
     # housekeeping messages (releases, free-keys) wait up to this long for a message
     # that must go now, and ride along with it (no write or wake-up of their own)
     "batched-lazy-delay": 0.01,
+    # workers and clients send a heartbeat on their scheduler stream this often, in
+    # seconds (0: never)
+    "heartbeat-interval": 1.0,
+    # the scheduler removes a worker it heard nothing from for this many seconds, as if
+    # its connection had died (0: never)
+    "worker-ttl": 300.0,
     # connection pool limit (open comms) per pool
     "pool-limit": 512,
     # a task whose arguments are larger than this warns once, suggesting scatter (0: never)

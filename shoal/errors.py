@@ -9,6 +9,7 @@
     │   ├── CommConnectError       could not connect (refused, no listener, timed out)
     │   ├── ProtocolError          the peer sent bytes that break the wire protocol
     │   └── HandshakeError         the peer is not a compatible shoal endpoint
+    │       └── AuthenticationError  the ends do not share the cluster's secret
     ├── SerializationError         a value cannot be serialized (raised before sending)
     ├── DeserializationError       received bytes cannot be turned back into a value
     ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key)
@@ -32,6 +33,7 @@ __all__ = [
     "CommConnectError",
     "ProtocolError",
     "HandshakeError",
+    "AuthenticationError",
     "SerializationError",
     "DeserializationError",
     "RemoteError",
@@ -68,6 +70,10 @@ class ProtocolError(CommError):
 
 class HandshakeError(CommError):
     """The peer did not complete a compatible handshake (e.g. another protocol version)."""
+
+
+class AuthenticationError(HandshakeError):
+    """The two ends do not share the cluster's secret (or one of them has none)."""
 
 
 class SerializationError(ShoalError, TypeError):

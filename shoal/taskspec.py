@@ -290,14 +290,39 @@ def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
     return spec.func(*args, **kwargs)
 
 
-def validate_key(key: Any) -> Key:
-    """Keys are str, bytes, int, float or tuples of these; raise ``TypeError`` otherwise."""
+#: how deeply tuples may nest in a key (the wire refuses deeper nesting, see
+#: :data:`shoal.protocol.core.MAX_NESTING`)
+MAX_KEY_DEPTH = 16
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def validate_key(key: Any, _depth: int = 0) -> Key:
+    """Keys are str, bytes, int (64-bit), float or tuples of these, nested at most
+    :data:`MAX_KEY_DEPTH` deep; raise ``TypeError`` otherwise (``ValueError`` for an
+    int out of range or a key nested too deeply)."""
     typ = type(key)
-    if typ in (str, bytes, int, float):
+    if typ in (str, bytes, float):
         return key
-    if typ is tuple and all(validate_key(k) is not None for k in key):
+    if typ is int:
+        if not _INT_MIN <= key <= _INT_MAX:
+            raise ValueError(f"an int task key must fit in 64 bits, got one of {key.bit_length()} bits")
         return key
-    raise TypeError(f"a task key must be str, bytes, int, float or a tuple of these, got {key!r:.80}")
+    if typ is tuple:
+        if _depth >= MAX_KEY_DEPTH:
+            raise ValueError(f"a task key may nest tuples at most {MAX_KEY_DEPTH} deep")
+        for k in key:
+            validate_key(k, _depth + 1)
+        return key
+    raise TypeError(f"a task key must be str, bytes, int, float or a tuple of these, got {_short_repr(key)}")
+
+
+def _short_repr(obj: Any) -> str:
+    # a user object's __repr__ may raise, or recurse forever
+    try:
+        text = repr(obj)
+    except Exception as exc:
+        return f"<{type(obj).__name__} whose repr raised {type(exc).__name__}>"
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def key_name(func: Callable[..., Any]) -> str:

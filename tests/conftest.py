@@ -53,3 +53,24 @@ def no_shared_memory_leaks():
     yield
     leaked = [n for n in ours() - before if shm.process_gone(int(n.split("-")[1]))]
     assert not leaked, f"shared-memory segments left behind: {leaked}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_auth_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Auth files that schedulers of this run write (and the processes of this run look
+    for) live in a directory of the run's own, not in the user's ~/.shoal; it must be
+    empty at the end: every scheduler removes its file when it stops."""
+    import os
+
+    path = tmp_path_factory.mktemp("shoal-auth")
+    old = os.environ.get("SHOAL_AUTH_DIR")
+    os.environ["SHOAL_AUTH_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            del os.environ["SHOAL_AUTH_DIR"]
+        else:
+            os.environ["SHOAL_AUTH_DIR"] = old
+    left = sorted(p.name for p in path.iterdir())
+    assert not left, f"auth files left behind: {left}"

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import socket
 import struct
 import threading
@@ -21,6 +22,9 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import msgpack
+
+from shoal.comm import security
+from shoal.protocol import PROTOCOL_VERSION
 
 try:
     import numpy as np
@@ -172,8 +176,9 @@ def message_bytes(msg: Any) -> bytes:
     return frame_bytes([msgpack.packb(msg, use_bin_type=True)])
 
 
-def handshake_bytes(protocol: int = 3, **extra: Any) -> bytes:
-    return message_bytes({"op": "handshake", "protocol": protocol, "pid": 1, "host": "elsewhere", **extra})
+def handshake_bytes(protocol: int = PROTOCOL_VERSION, nonce: bytes = b"n" * 32, auth: bool = True, **extra: Any) -> bytes:
+    """Step 1 of the handshake (docs/protocol.md §3)."""
+    return message_bytes({"op": "handshake", "protocol": protocol, "nonce": nonce, "auth": auth, **extra})
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -193,6 +198,17 @@ def recv_frames(sock: socket.socket) -> list[bytes]:
     return [recv_exactly(sock, length) for length in lengths]
 
 
+def one_frame_messages(data: bytes) -> list[Any]:
+    """The plain msgpack messages of one frame each that ``data`` holds, back to back."""
+    out = []
+    while data:
+        n, size = struct.unpack_from("<QQ", data)
+        assert n == 1, f"a message of {n} frames"
+        out.append(msgpack.unpackb(data[16 : 16 + size]))
+        data = data[16 + size :]
+    return out
+
+
 def recv_until_closed(sock: socket.socket) -> bytes:
     """Read until the peer closes (EOF or reset); returns what was read."""
     data = []
@@ -207,17 +223,30 @@ def recv_until_closed(sock: socket.socket) -> bytes:
     return b"".join(data)
 
 
-def complete_handshake(sock: socket.socket) -> dict:
-    """Send our handshake, read the peer's, then the shared-memory probe answers both
-    ways (we offer no probe and say we cannot map the peer's). Returns the peer's."""
-    sock.sendall(handshake_bytes())
+def complete_handshake(sock: socket.socket, secret: bytes | None) -> dict:
+    """The handshake of a connecting end, by hand: step 1, the proof of ``secret``
+    (None: no authentication), and the shared-memory answers (we offer no probe and say
+    we cannot map the peer's). Returns the peer's step-2 message."""
+    nonce = os.urandom(32)
+    sock.sendall(handshake_bytes(nonce=nonce, auth=secret is not None))
+    (hello,) = recv_frames(sock)
+    peer = msgpack.unpackb(hello)
+    assert peer["op"] == "handshake", peer
+    proof = None if secret is None else security.proof(secret, b"connector", nonce, peer["nonce"])
+    sock.sendall(message_bytes({"op": "handshake-auth", "proof": proof, "pid": 1, "host": "elsewhere"}))
     (info,) = recv_frames(sock)
-    peer = msgpack.unpackb(info)
-    assert peer["op"] == "handshake"
+    info = msgpack.unpackb(info)
+    assert info["op"] == "handshake-auth", info
     sock.sendall(message_bytes({"op": "handshake-shm", "can_map": False}))
     (answer,) = recv_frames(sock)
     assert msgpack.unpackb(answer)["op"] == "handshake-shm"
-    return peer
+    return info
+
+
+def secret_of(address: str) -> bytes | None:
+    """The secret this process would prove to ``address`` (its listener's own)."""
+    found = security.for_address(address)
+    return None if found is None else found.secret
 
 
 def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> socket.socket:
@@ -227,7 +256,7 @@ def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> 
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     try:
         if handshake:
-            complete_handshake(sock)
+            complete_handshake(sock, secret_of(address))
     except BaseException:
         sock.close()
         raise

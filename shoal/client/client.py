@@ -27,9 +27,10 @@ from typing import Any
 from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
+from ..comm.security import Security
 from ..errors import CommError, LostDataError
 from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch
+from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
 from ..taskspec import RunSpec, key_name, tokenize, unique_token, validate_key
 from .collections import DaskCollections
 from .future import Future, FutureState, _unwrap
@@ -59,8 +60,11 @@ class Client(DaskCollections):
         processes: bool = True,
         asynchronous: bool = False,
         timeout: float = 30.0,
+        security: Security | None = None,
     ):
         self.id = f"client-{uuid.uuid4().hex[:12]}"
+        #: the cluster's credentials (None: the cluster's, or found for the address)
+        self.security = security
         self._address_arg = address
         self._cluster_kwargs = {
             "n_workers": n_workers, "threads_per_worker": threads_per_worker, "processes": processes,
@@ -80,6 +84,7 @@ class Client(DaskCollections):
         self._stream: BatchedSend | None = None
         self._comm: Comm | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._heartbeats: asyncio.Task[None] | None = None
         self._pool: ConnectionPool | None = None
         self._callbacks: ThreadPoolExecutor | None = None
         self._loop_thread: LoopThread | None = None
@@ -127,7 +132,11 @@ class Client(DaskCollections):
         if not isinstance(address, str):
             raise TypeError(f"address must be a scheduler address or a LocalCluster, got {type(address).__name__}")
         self.scheduler_address = address
-        comm = await connect(address, timeout=self.timeout, deserialize=False)
+        if self.security is None and self.cluster is not None:
+            self.security = getattr(self.cluster, "security", None)
+        comm = await connect(address, timeout=self.timeout, deserialize=False, security=self.security)
+        if self.security is None:
+            self.security = comm.security  # what was found for the scheduler's address
         await comm.write({"op": "register-client", "client": self.id})
         reply = await comm.read()
         if not isinstance(reply, dict) or reply.get("status") != "OK":
@@ -141,8 +150,10 @@ class Client(DaskCollections):
         self._hand_over = comm.destination == SAME_HOST
         self._stream = BatchedSend(name=f"{self.id}-to-scheduler")
         self._stream.start(comm)
-        self._pool = ConnectionPool(deserialize=True, timeout=self.timeout)
+        self._pool = ConnectionPool(deserialize=True, timeout=self.timeout, security=self.security)
         self._reader = asyncio.ensure_future(self._read_scheduler(comm))
+        if config.get("heartbeat-interval") > 0:
+            self._heartbeats = asyncio.ensure_future(send_heartbeats(self._stream, config.get("heartbeat-interval")))
         self.status = "running"
         return self
 
@@ -198,6 +209,8 @@ class Client(DaskCollections):
         if self.status in ("closing", "closed"):
             return
         self.status = "closing"
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
         self._flush_outbox()
         if self._stream is not None:
             try:
@@ -742,3 +755,4 @@ class Client(DaskCollections):
 
     async def _counters(self) -> dict[str, Any]:
         return await self._scheduler_rpc().counters()
+

@@ -1,10 +1,10 @@
 """Transports: ``Comm``, ``Listener``, ``connect()``, ``listen()`` and the scheme registry.
 
-Importing this package registers the built-in ``inproc://`` and ``tcp://`` backends and
+Importing this package registers the built-in ``inproc://``, ``tcp://`` and ``tls://`` backends and
 the ``shoal.same-host`` serializer family.
 """
 
-from . import inproc, shm_family, tcp  # noqa: F401  (registers the backends and the same-host family)
+from . import inproc, shm_family, tcp, tls  # noqa: F401  (registers the backends and the same-host family)
 from .core import (
     Backend,
     Comm,

@@ -23,8 +23,10 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .. import config
-from ..errors import HandshakeError
+from ..errors import AuthenticationError
 from ..protocol import PROTOCOL_VERSION, REMOTE
+from . import security as _security
+from .security import Security
 
 __all__ = [
     "Comm",
@@ -36,6 +38,7 @@ __all__ = [
     "listen",
     "parse_address",
     "local_info",
+    "host_identity",
     "Handler",
 ]
 
@@ -56,6 +59,11 @@ def _host_identity() -> str:
 _HOST_ID = _host_identity()
 
 
+def host_identity() -> str:
+    """This host's identity as the handshake carries it: ``<hostname>/<boot id>``."""
+    return _HOST_ID
+
+
 def local_info() -> dict[str, Any]:
     """The handshake this process sends: protocol version, pid, host identity."""
     return {"op": "handshake", "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "host": _HOST_ID}
@@ -73,6 +81,8 @@ class Comm(abc.ABC):
     peer_address: str = ""
     peer_info: dict[str, Any]
     destination: str = REMOTE
+    #: the credentials this end proved when it connected (None: none, or inproc)
+    security: Security | None = None
 
     def __init__(self, deserialize: bool = True):
         self.deserialize = deserialize
@@ -112,6 +122,11 @@ class Comm(abc.ABC):
     def closed(self) -> bool:
         """Whether this comm can no longer be used."""
 
+    def set_idle_timeout(self, seconds: float) -> None:
+        """Close this comm once a reader has waited ``seconds`` for a message that did
+        not come (0: never). Transports whose peers cannot hold resources here (inproc)
+        ignore it."""
+
     def __repr__(self) -> str:
         state = "closed" if self.closed() else "open"
         return f"<{type(self).__name__} {self.name} {self.local_address} -> {self.peer_address} {state}>"
@@ -119,6 +134,9 @@ class Comm(abc.ABC):
 
 class Listener(abc.ABC):
     """Accepts connections and runs ``handler(comm)`` for each, after the handshake."""
+
+    #: the address this listener's own secret is registered under (see :func:`listen`)
+    registered: str = ""
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -149,13 +167,17 @@ class Backend(abc.ABC):
     """A transport: how to connect to and listen on addresses of one scheme."""
 
     @abc.abstractmethod
-    async def connect(self, location: str, deserialize: bool, timeout: float) -> Comm:
+    async def connect(self, location: str, deserialize: bool, timeout: float,
+                      security: Security | None = None) -> Comm:
         """Return a connected comm whose handshake is done, or raise
-        :class:`~shoal.errors.CommConnectError` / :class:`~shoal.errors.HandshakeError`."""
+        :class:`~shoal.errors.CommConnectError` / :class:`~shoal.errors.HandshakeError`.
+        ``security``: the credentials to prove (None: none known)."""
 
     @abc.abstractmethod
-    def listener(self, location: str, handler: Handler, deserialize: bool) -> Listener:
-        """Return an unstarted listener for ``location``."""
+    def listener(self, location: str, handler: Handler, deserialize: bool,
+                 security: Security | None = None) -> Listener:
+        """Return an unstarted listener for ``location`` that admits only peers that
+        prove ``security``'s secret (``Security.disabled()``: anyone)."""
 
 
 _backends: dict[str, Backend] = {}
@@ -194,42 +216,66 @@ def parse_address(address: str) -> tuple[str, str]:
     return scheme, location
 
 
-async def connect(address: str, timeout: float | None = None, deserialize: bool = True) -> Comm:
-    """Connect to ``address`` and complete the handshake.
+async def connect(address: str, timeout: float | None = None, deserialize: bool = True,
+                  security: Security | None = None) -> Comm:
+    """Connect to ``address`` and complete the handshake, proving ``security``'s
+    secret (default: what :func:`shoal.comm.security.for_address` finds).
 
     Retries refused connections until ``timeout`` (default: the ``connect-timeout``
     setting). Raises :class:`~shoal.errors.CommConnectError` when it gives up and
-    :class:`~shoal.errors.HandshakeError` for an incompatible peer.
+    :class:`~shoal.errors.HandshakeError` for a peer that refuses us or that we refuse
+    (another protocol version, a secret that does not match).
     """
     scheme, location = parse_address(address)
     backend = get_backend(scheme)
     timeout = config.get("connect-timeout") if timeout is None else timeout
-    return await backend.connect(location, deserialize, timeout)
+    if security is not None or scheme == "inproc":
+        comm = await backend.connect(location, deserialize, timeout, security)
+        comm.security = security
+        return comm
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.01
+    while True:
+        found = _security.for_address(address)  # looked for again at each try
+        try:
+            comm = await backend.connect(location, deserialize, max(deadline - loop.time(), 0.001), found)
+        except AuthenticationError:
+            # a scheduler that is starting writes its auth file just after it listens:
+            # look again until the deadline
+            if found is not None or loop.time() + delay >= deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+            continue
+        comm.security = found
+        return comm
 
 
-async def listen(address: str, handler: Handler, deserialize: bool = True) -> Listener:
+async def listen(address: str, handler: Handler, deserialize: bool = True,
+                 security: Security | None = None) -> Listener:
     """Listen on ``address`` (``tcp://127.0.0.1:0`` and ``inproc://`` pick a free one)
     and run ``await handler(comm)`` for every connection, after its handshake.
+
+    Only peers that prove ``security``'s secret get through. With ``security=None``:
+    the secret this process was given (``SHOAL_AUTH`` / ``SHOAL_AUTH_FILE``), else a
+    random one, known to this process only; either is registered for the listener's
+    address, so that this process's own connections find it. ``Security.disabled()``
+    admits anyone.
 
     Returns the started :class:`Listener`. Raises ``OSError`` if the address is taken.
     """
     scheme, location = parse_address(address)
-    listener = get_backend(scheme).listener(location, handler, deserialize)
+    own = security is None and scheme != "inproc"
+    if own:
+        security = _security.from_environment() or Security(None, **_security.tls_from_environment())
+    listener = get_backend(scheme).listener(location, handler, deserialize, security)
     await listener.start()
+    if own:
+        assert security is not None
+        _security.register(listener.contact_address, security)
+        listener.registered = listener.contact_address
     return listener
-
-
-def check_handshake(info: Any, peer: str) -> dict[str, Any]:
-    """Validate a peer's handshake message; raise :class:`HandshakeError` if unusable."""
-    if not isinstance(info, dict) or info.get("op") != "handshake":
-        raise HandshakeError(f"{peer} did not start with a shoal handshake (got {info!r:.100})")
-    version = info.get("protocol")
-    if version != PROTOCOL_VERSION:
-        raise HandshakeError(
-            f"{peer} speaks shoal protocol version {version!r}; this process speaks "
-            f"version {PROTOCOL_VERSION}"
-        )
-    return info
 
 
 async def run_handler(handler: Handler, comm: Comm) -> None:

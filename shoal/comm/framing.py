@@ -18,6 +18,7 @@ import asyncio
 import logging
 import mmap
 import struct
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +28,13 @@ from ..errors import CommBrokenError, CommClosedError, ProtocolError
 if TYPE_CHECKING:
     from .tcp import TCPComm
 
-__all__ = ["FrameProtocol", "alloc_buffer"]
+__all__ = ["FrameProtocol", "alloc_buffer", "STRANGER_MAX_BYTES", "HANDSHAKE_MESSAGES"]
 
 logger = logging.getLogger("shoal.comm.tcp")
+
+#: the largest message a peer may send before it is authenticated, and how many it sends
+STRANGER_MAX_BYTES = 4096
+HANDSHAKE_MESSAGES = 3
 
 _SCRATCH = 1 << 16
 _DIRECT = 1 << 16  # blocks at least this large are received into their own buffer
@@ -37,17 +42,22 @@ _MAX_QUEUED = 64  # complete messages buffered before we stop reading the socket
 _U64 = struct.Struct("<Q")
 
 
+_LAZY = 1 << 18  # blocks at least this large are mappings, committed as bytes arrive
+
+
 def alloc_buffer(n: int) -> Any:
     """A writable buffer of ``n`` bytes for a received frame.
 
-    Large buffers are anonymous mappings advised to use huge pages: fresh memory then
-    faults in 2 MiB at a time instead of 4 KiB, which is most of the cost of receiving a
-    large value into new memory.
+    From 256 KiB on it is an anonymous mapping, whose pages are committed only as the
+    frame's bytes arrive: a peer that announces a large frame and sends nothing costs
+    address space, not memory. From 2 MiB on the mapping is advised to use huge pages:
+    fresh memory then faults in 2 MiB at a time instead of 4 KiB, which is most of the
+    cost of receiving a large value into new memory.
     """
-    if n < (1 << 21):
+    if n < _LAZY:
         return bytearray(n)
     buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if n >= (1 << 21) and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
@@ -76,12 +86,44 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._lengths: list[int] | None = None
         self._count = -1
         self._frames: list[Any] = []
-        self._max_frames = config.get("max-frames")
-        self._max_frame = config.get("max-frame-bytes")
+        # a new connection's peer is a stranger: its handshake messages are one small
+        # frame each, and nothing after them is parsed until the handshake lifts this
+        # (set_limits())
+        self._max_frames = 1
+        self._max_frame = self._max_message = STRANGER_MAX_BYTES
+        # a message that stalls half-way (no bytes for this long) closes the connection
+        self._stall_timeout = config.get("partial-message-timeout")
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._last_bytes = 0.0
+        self._idle_timeout = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._wait_started = 0.0
+        # messages to parse before reading stops (0: no such limit), and whether it has
+        self._hold_after = HANDSHAKE_MESSAGES
+        self._held = False
         self.messages: deque[list[Any]] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
         self.paused = False
+
+    def set_limits(self, max_frames: int | None = None, max_frame_bytes: int | None = None,
+                   messages: int = 0) -> None:
+        """Limit the frames of the next messages (``None``: the configured limits).
+        With ``messages``, only that many are parsed under these limits; then reading
+        stops until the limits are set again. The handshake admits one small frame per
+        message until the peer is authenticated, and nothing after its own messages."""
+        self._max_frames = config.get("max-frames") if max_frames is None else max_frames
+        self._max_frame = config.get("max-frame-bytes") if max_frame_bytes is None else max_frame_bytes
+        self._max_message = config.get("max-message-bytes") if max_frame_bytes is None else max_frame_bytes
+        self._hold_after = messages
+        if self._held:
+            self._held = False
+            if not self.paused and self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+            try:
+                self._parse()
+            except ProtocolError as exc:
+                self._fail(exc)
 
     # -- asyncio callbacks
 
@@ -106,16 +148,104 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     block = self._direct_buf
                     self._direct = self._direct_buf = None
                     self._block_done(block)
-                return
-            self._end += nbytes
-            self._parse()
+            else:
+                self._end += nbytes
+                self._parse()
         except ProtocolError as exc:
             self._fail(exc)
+            return
+        self._last_bytes = time.monotonic()
+        if self._count >= 0 or self._end > self._start or self._direct is not None:
+            # in the middle of a message: it must not stall
+            if self._stall_timer is None and self._loop is not None and self._stall_timeout > 0:
+                self._stall_timer = self._loop.call_later(self._stall_timeout, self._check_stalled)
+
+    def _check_stalled(self) -> None:
+        self._stall_timer = None
+        if not (self._count >= 0 or self._end > self._start or self._direct is not None):
+            return
+        if self.transport is None or self.transport.is_closing():
+            return
+        quiet = time.monotonic() - self._last_bytes
+        if quiet >= self._stall_timeout:
+            self._fail(ProtocolError(
+                f"the peer stopped in the middle of a message: no bytes for {quiet:.0f}s "
+                "(partial-message-timeout)"
+            ))
+        elif self._loop is not None:
+            self._stall_timer = self._loop.call_later(self._stall_timeout - quiet, self._check_stalled)
 
     def eof_received(self) -> bool:
         return False
 
+    # -- flow control of writes through the transport (tls://; tcp writes bypass it)
+
+    write_paused = False
+    _drain_waiters: list[asyncio.Future[None]] | None = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.wake_writers(None)
+
+    def wake_writers(self, exc: BaseException | None) -> None:
+        """Let writers waiting in :meth:`drain` go on (or fail with ``exc``)."""
+        waiters, self._drain_waiters = self._drain_waiters, None
+        for fut in waiters or ():
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+    async def drain(self) -> None:
+        """Wait while the transport holds more than its high-water mark of our writes.
+        Raises :class:`CommBrokenError` if the connection is lost meanwhile."""
+        if not self.write_paused:
+            return
+        if self.transport is None or self.transport.is_closing():
+            raise CommBrokenError("the connection was lost while writing")
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        if self._drain_waiters is None:
+            self._drain_waiters = []
+        self._drain_waiters.append(fut)
+        await fut
+
+    def set_idle_timeout(self, seconds: float) -> None:
+        """Close the connection when a reader has waited ``seconds`` for a message and
+        no byte arrived meanwhile (0: never). For request connections, which a peer
+        may otherwise keep open, idle, forever."""
+        self._idle_timeout = seconds
+        if seconds > 0 and self._idle_timer is None and self._loop is not None:
+            self._idle_timer = self._loop.call_later(seconds, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._idle_timeout <= 0 or self.transport is None or self.transport.is_closing():
+            return
+        now = time.monotonic()
+        if self.waiter is not None and not self.messages:
+            quiet = now - max(self._last_bytes, self._wait_started)
+            if quiet >= self._idle_timeout:
+                logger.info("closing connection from %s: idle for %.0fs (idle-timeout)",
+                            self.comm.peer_address if self.comm else "?", quiet)
+                self.error = CommClosedError(f"closed after {quiet:.0f}s idle (idle-timeout)")
+                self.transport.close()
+                self._wake()
+                return
+            delay = self._idle_timeout - quiet
+        else:
+            delay = self._idle_timeout  # busy serving: look again later
+        if self._loop is not None:
+            self._idle_timer = self._loop.call_later(delay, self._check_idle)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._stall_timer, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._idle_timer = None
         if self.error is None:
             comm = self.comm
             if comm is not None and comm._closed:
@@ -150,7 +280,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return self._lengths[len(self._frames)]
 
     def _parse(self) -> None:
-        while True:
+        while not self._held:
             if self._count < 0:  # between messages
                 avail = self._end - self._start
                 if not avail:
@@ -162,7 +292,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             avail = self._end - self._start
             if need >= _DIRECT:
                 try:
-                    buf = alloc_buffer(need) if self._lengths is not None else bytearray(need)
+                    buf = alloc_buffer(need)
                 except (MemoryError, OSError) as exc:
                     raise ProtocolError(
                         f"cannot allocate {need:,} bytes for a frame the peer announced ({exc})"
@@ -213,8 +343,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if pos > end:
                 return False
             lengths = struct.unpack_from(f"<{n}Q", scratch, s + 8)
-            stop = pos + sum(lengths)
-            if stop > end or max(lengths) > self._max_frame:
+            total = sum(lengths)
+            stop = pos + total
+            if stop > end or max(lengths) > self._max_frame or total > self._max_message:
                 return False
             frames = []
             for size in lengths:
@@ -250,6 +381,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 f"frame length {big} exceeds the maximum of {self._max_frame} bytes "
                 "(max-frame-bytes)"
             )
+        total = sum(lengths)
+        if total > self._max_message:
+            raise ProtocolError(
+                f"message of {total} bytes exceeds the maximum of {self._max_message} bytes "
+                "(max-message-bytes)"
+            )
         self._lengths = lengths
         self._skip_empty()
 
@@ -268,6 +405,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._deliver(frames)
 
     def _deliver(self, frames: list[Any]) -> None:
+        if self._hold_after:
+            self._hold_after -= 1
+            if not self._hold_after:
+                self._held = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
         self.messages.append(frames)
         if len(self.messages) >= _MAX_QUEUED and not self.paused and self.transport:
             self.paused = True
@@ -296,6 +439,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             # the loop the transport runs on (get_running_loop() costs a getpid()
             # system call per call on Python < 3.12)
             self.waiter = (self._loop or asyncio.get_running_loop()).create_future()
+            if self._idle_timeout:
+                self._wait_started = time.monotonic()
             try:
                 await self.waiter
             finally:

@@ -169,7 +169,9 @@ class InprocListener(Listener):
 
 
 class InprocBackend(Backend):
-    async def connect(self, location: str, deserialize: bool, timeout: float) -> InprocComm:
+    # the two ends are one process: nothing to prove, ``security`` is not used
+    async def connect(self, location: str, deserialize: bool, timeout: float,
+                      security: Any = None) -> InprocComm:
         address = f"inproc://{location}"
         with _registry_lock:
             listener = _registry.get(address)
@@ -191,7 +193,8 @@ class InprocBackend(Backend):
                 raise CommConnectError(f"inproc listener at {address} is gone") from exc
         return client
 
-    def listener(self, location: str, handler: Handler, deserialize: bool) -> InprocListener:
+    def listener(self, location: str, handler: Handler, deserialize: bool,
+                 security: Any = None) -> InprocListener:
         return InprocListener(location, handler, deserialize)
 
 

@@ -19,10 +19,13 @@ deserialized in a small thread pool, so the event loop keeps serving other peers
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import errno
 import itertools
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 from collections import deque
@@ -38,22 +41,15 @@ from ..errors import (
     DeserializationError,
     HandshakeError,
     ProtocolError,
-    ShoalError,
 )
-from ..protocol import REMOTE, SAME_HOST, loads, prepare
-from . import shm
+from ..protocol import loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
 from .framing import alloc_buffer
-from .core import (
-    Backend,
-    Comm,
-    Handler,
-    Listener,
-    check_handshake,
-    local_info,
-    register_backend,
-    run_handler,
-)
+from . import security as _security
+from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
+from .handshake import ACCEPTOR, CONNECTOR, run_handshake
+from .shm_family import receiving_from
+from .security import Security
 
 __all__ = ["TCPComm", "TCPListener", "TCPBackend", "offload_executor", "alloc_buffer"]
 
@@ -85,22 +81,17 @@ def _nbytes(frame: Any) -> int:
 class TCPComm(Comm):
     def __init__(self, protocol: _FrameProtocol, local: str, peer: str, deserialize: bool):
         super().__init__(deserialize)
-        self._protocol = protocol
-        protocol.comm = self
         transport = protocol.transport
         assert transport is not None
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.is_closing():
+            raise CommBrokenError(f"the connection to {peer} closed as it was made")
+        self._wsock = self._open_writer(sock, transport, peer)
+        self._protocol = protocol
+        protocol.comm = self
         self._transport = transport
         self.local_address = local
         self.peer_address = peer
-        sock = transport.get_extra_info("socket")
-        # our own descriptor for writing, so sends never pass through the transport's
-        # (copying) write buffer
-        self._wsock = socket.socket(fileno=os.dup(sock.fileno()))
-        self._wsock.setblocking(False)
-        try:
-            self._wsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
         self._loop = asyncio.get_running_loop()
         self._write_lock = asyncio.Lock()
         self._writers = 0  # writes that are sending or waiting for the lock
@@ -110,6 +101,22 @@ class TCPComm(Comm):
         self._leases: dict[int, Any] = {}
         self._rest: asyncio.Future[None] | None = None
         self._lost = False
+
+    def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> socket.socket:
+        """Our own descriptor for writing, so sends never pass through the transport's
+        (copying) write buffer."""
+        try:
+            fd = os.dup(sock.fileno())
+        except OSError as exc:
+            transport.abort()
+            raise _descriptor_error(exc, peer) from exc
+        wsock = socket.socket(fileno=fd)
+        wsock.setblocking(False)
+        try:
+            wsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        return wsock
 
     # -- reading
 
@@ -121,13 +128,22 @@ class TCPComm(Comm):
                 raise CommClosedError(f"{self!r} was closed")
             frames = await self._protocol.next_frames()
             acks: list[int] = []
+            # transfers (shared memory the sender hands over) are taken over only from
+            # files named after the peer this connection authenticated
+            pid = self.peer_info.get("pid")
             try:
                 if sum(map(len, frames)) > config.get("offload-threshold"):
+                    ctx = contextvars.copy_context()  # the pool thread does not inherit it
+                    ctx.run(receiving_from.set, pid)
                     msg = await self._loop.run_in_executor(
-                        offload_executor(), loads, frames, self.deserialize, acks
+                        offload_executor(), ctx.run, loads, frames, self.deserialize, acks
                     )
                 else:
-                    msg = loads(frames, self.deserialize, acks)
+                    token = receiving_from.set(pid)
+                    try:
+                        msg = loads(frames, self.deserialize, acks)
+                    finally:
+                        receiving_from.reset(token)
             except ProtocolError as exc:
                 logger.error("closing connection from %s: %s", self.peer_address, exc)
                 self.abort()
@@ -366,6 +382,9 @@ class TCPComm(Comm):
     def closed(self) -> bool:
         return self._closed or self._lost
 
+    def set_idle_timeout(self, seconds: float) -> None:
+        self._protocol.set_idle_timeout(seconds)
+
 
 def _advance(views: deque[Any], sent: int) -> None:
     """Drop the first ``sent`` bytes from ``views`` (and any empty buffers after them)."""
@@ -410,52 +429,30 @@ def _split_hostport(location: str) -> tuple[str, int]:
         raise ValueError(f"tcp address has a bad port: {location!r}") from None
 
 
-def _format(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-async def _handshake(comm: TCPComm, timeout: float) -> None:
-    """Exchange handshakes, then learn whether the peer shares our shared-memory domain:
-    each side offers a probe segment, tries to open the other's, and says whether it
-    could. The destination is ``same-host`` when the peer can map what we create."""
-    probe = shm.probe()
-    try:
-        mine = local_info()
-        if probe is not None:
-            mine["shm_probe"] = list(probe)
-        await comm.write(mine)
-        info = await asyncio.wait_for(comm.read(), timeout)
-        comm.peer_info = check_handshake(info, comm.peer_address)
-        offered = info.get("shm_probe")
-        can_map = isinstance(offered, list) and len(offered) == 2 and shm.check_probe(*offered)
-        await comm.write({"op": "handshake-shm", "can_map": can_map})
-        answer = await asyncio.wait_for(comm.read(), timeout)
-        if not isinstance(answer, dict) or answer.get("op") != "handshake-shm":
-            raise HandshakeError(f"{comm.peer_address} did not answer the shared-memory probe (got {answer!r:.100})")
-    except HandshakeError:
-        comm.abort()
-        raise
-    except (ShoalError, asyncio.TimeoutError) as exc:
-        comm.abort()
-        raise HandshakeError(f"handshake with {comm.peer_address} failed: {exc!r}") from exc
-    finally:
-        if probe is not None:
-            shm.unlink(probe[0])
-    comm.peer_info["shm"] = {"peer_maps_ours": bool(answer.get("can_map")), "we_map_theirs": can_map}
-    comm.destination = SAME_HOST if answer.get("can_map") is True else REMOTE
+def _format(host: str, port: int, scheme: str = "tcp") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class TCPListener(Listener):
-    def __init__(self, location: str, handler: Handler, deserialize: bool):
+    scheme = "tcp"
+
+    def __init__(self, location: str, handler: Handler, deserialize: bool, security: Security | None = None):
         host, port = _split_hostport(location or "127.0.0.1:0")
         self.host, self.port = host, port
         self.handler = handler
         self.deserialize = deserialize
+        self.security = security
         self.server: asyncio.base_events.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: connections still in their handshake (strangers), in all and per peer host
+        self._strangers = 0
+        self._strangers_by_host: dict[str, int] = {}
+        self._open = 0  # connections past their handshake, still served
+        self._refusals_logged = 0
 
     async def start(self) -> None:
+        self._check_plain()
         loop = self._loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
             lambda: _FrameProtocol(self._on_connection),
@@ -463,31 +460,84 @@ class TCPListener(Listener):
             self.port,
             backlog=1024,
             reuse_address=True,
+            **self._server_kwargs(),
         )
         self.port = self.server.sockets[0].getsockname()[1]
+
+    def _check_plain(self) -> None:
+        if self.security is not None and self.security.require_encryption:
+            raise ValueError("this Security requires encryption: listen on a tls:// address")
+
+    def _server_kwargs(self) -> dict[str, Any]:
+        return {}
 
     def _on_connection(self, protocol: _FrameProtocol) -> None:
         transport = protocol.transport
         assert transport is not None
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
-        comm = TCPComm(protocol, _format(*local[:2]), _format(*peer[:2]), self.deserialize)
-        task = asyncio.ensure_future(self._serve(comm))
+        if peer is None or local is None:
+            transport.abort()  # gone as it came
+            return
+        host = str(peer[0])
+        if self._open + self._strangers >= config.get("max-connections"):
+            self._log_refusal(f"refused a connection from {host}: {self._open + self._strangers} connections "
+                              "are open (max-connections)")
+            transport.abort()
+            return
+        if (self._strangers >= config.get("max-handshaking")
+                or self._strangers_by_host.get(host, 0) >= config.get("max-handshaking-per-host")):
+            # too many connections that have not proven anything yet
+            self._log_refusal(f"refused a connection from {host}: {self._strangers} connections are in "
+                              "their handshake (max-handshaking / max-handshaking-per-host)")
+            transport.abort()
+            return
+        try:
+            comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme),
+                                   _format(peer[0], peer[1], self.scheme))
+        except CommError as exc:
+            self._log_refusal(f"could not take a connection from {host}: {exc}")
+            return
+        self._strangers += 1
+        self._strangers_by_host[host] = self._strangers_by_host.get(host, 0) + 1
+        task = asyncio.ensure_future(self._serve(comm, host))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, comm: TCPComm) -> None:
+    def _make_comm(self, protocol: _FrameProtocol, local: str, peer: str) -> TCPComm:
+        return TCPComm(protocol, local, peer, self.deserialize)
+
+    def _log_refusal(self, text: str) -> None:
+        # a flood of refusals is logged a few times, not once per connection
+        self._refusals_logged += 1
+        if self._refusals_logged <= 10 or self._refusals_logged % 1000 == 0:
+            logger.warning("%s (refusal %d)", text, self._refusals_logged)
+
+    async def _serve(self, comm: TCPComm, host: str) -> None:
         try:
-            await _handshake(comm, _HANDSHAKE_TIMEOUT)
+            await run_handshake(comm, ACCEPTOR, self.security, _HANDSHAKE_TIMEOUT)
         except HandshakeError as exc:
-            logger.warning("refused connection from %s: %s", comm.peer_address, exc)
+            self._log_refusal(str(exc))
             return
-        await run_handler(self.handler, comm)
+        finally:
+            self._strangers -= 1
+            left = self._strangers_by_host.get(host, 1) - 1
+            if left:
+                self._strangers_by_host[host] = left
+            else:
+                self._strangers_by_host.pop(host, None)
+        self._open += 1
+        try:
+            await run_handler(self.handler, comm)
+        finally:
+            self._open -= 1
 
     def stop(self) -> None:
         """Stop accepting connections; callable from any thread (the server belongs to
         the loop that started it, and is closed there)."""
         server, loop = self.server, self._loop
+        if self.registered:
+            _security.unregister(self.registered)
         if server is None:
             return
         try:
@@ -510,7 +560,7 @@ class TCPListener(Listener):
 
     @property
     def listen_address(self) -> str:
-        return _format(self.host or "0.0.0.0", self.port)
+        return _format(self.host or "0.0.0.0", self.port, self.scheme)
 
     @property
     def contact_address(self) -> str:
@@ -520,36 +570,73 @@ class TCPListener(Listener):
                 host = socket.gethostbyname(socket.gethostname())
             except OSError:
                 host = "127.0.0.1"
-        return _format(host, self.port)
+        return _format(host, self.port, self.scheme)
 
 
 class TCPBackend(Backend):
-    async def connect(self, location: str, deserialize: bool, timeout: float) -> TCPComm:
+    scheme = "tcp"
+
+    async def connect(self, location: str, deserialize: bool, timeout: float,
+                      security: Security | None = None) -> TCPComm:
+        self._check(security)
         host, port = _split_hostport(location)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         delay = 0.005
+        address = _format(host, port, self.scheme)
         while True:
             try:
                 remaining = max(deadline - loop.time(), 0.001)
                 transport, protocol = await asyncio.wait_for(
-                    loop.create_connection(_FrameProtocol, host, port), remaining
+                    loop.create_connection(_FrameProtocol, host, port, **self._connect_kwargs(security)),
+                    remaining,
                 )
+                if isinstance(protocol.error, ProtocolError):
+                    # the peer's first bytes were not shoal's
+                    raise HandshakeError(f"refused connection to {address}: {protocol.error}")
+                local = transport.get_extra_info("sockname")
+                comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme), address, deserialize)
                 break
-            except (OSError, asyncio.TimeoutError) as exc:
+            except ssl.SSLError as exc:
+                # the peer's certificate (or ours, to the peer) is not the cluster's
+                raise HandshakeError(f"refused connection to {address}: TLS handshake failed: {exc}") from exc
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise _descriptor_error(exc, address) from exc
                 if loop.time() + delay >= deadline:
-                    raise CommConnectError(
-                        f"could not connect to {_format(host, port)} within {timeout}s: {exc!r}"
-                    ) from exc
+                    raise CommConnectError(f"could not connect to {address} within {timeout}s: {exc!r}") from exc
                 await asyncio.sleep(delay)  # retry backoff for a peer that is starting
                 delay = min(delay * 2, 0.25)
-        local = transport.get_extra_info("sockname")
-        comm = TCPComm(protocol, _format(*local[:2]), _format(host, port), deserialize)
-        await _handshake(comm, max(deadline - loop.time(), _HANDSHAKE_TIMEOUT))
+            except (asyncio.TimeoutError, CommBrokenError) as exc:
+                if loop.time() + delay >= deadline:
+                    raise CommConnectError(f"could not connect to {address} within {timeout}s: {exc!r}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        await run_handshake(comm, CONNECTOR, security, max(deadline - loop.time(), _HANDSHAKE_TIMEOUT))
         return comm
 
-    def listener(self, location: str, handler: Handler, deserialize: bool) -> TCPListener:
-        return TCPListener(location, handler, deserialize)
+    def _check(self, security: Security | None) -> None:
+        if security is not None and security.require_encryption:
+            raise CommConnectError("this Security requires encryption: connect to a tls:// address")
+
+    def _connect_kwargs(self, security: Security | None) -> dict[str, Any]:
+        return {}
+
+    def _make_comm(self, protocol: _FrameProtocol, local: str, peer: str, deserialize: bool) -> TCPComm:
+        return TCPComm(protocol, local, peer, deserialize)
+
+    def listener(self, location: str, handler: Handler, deserialize: bool,
+                 security: Security | None = None) -> TCPListener:
+        return TCPListener(location, handler, deserialize, security)
+
+
+def _descriptor_error(exc: OSError, peer: str) -> CommError:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return CommConnectError(
+            f"cannot open a connection to {peer}: this process is out of file descriptors "
+            f"({exc.strerror}); raise the limit (ulimit -n) or open fewer connections"
+        )
+    return CommBrokenError(f"connection to {peer} failed as it was set up: {exc}")
 
 
 register_backend("tcp", TCPBackend())

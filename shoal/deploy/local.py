@@ -12,6 +12,8 @@ from typing import Any
 
 from .._loop import LoopThread
 from ..comm import shm
+from ..comm import security
+from ..comm.security import Security
 from ..scheduler.server import Scheduler
 from ..worker.server import Worker
 
@@ -28,7 +30,8 @@ class LocalCluster:
     """
 
     def __init__(self, n_workers: int = 2, threads_per_worker: int = 1, processes: bool = True,
-                 host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0):
+                 host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0,
+                 security: Security | None = None):
         if n_workers < 0:
             raise ValueError(f"n_workers must be >= 0, got {n_workers}")
         if threads_per_worker < 1:
@@ -37,6 +40,10 @@ class LocalCluster:
         self.threads_per_worker = threads_per_worker
         self.processes = processes
         self.host = host
+        #: the cluster's credentials: a fresh secret unless given (workers get it in
+        #: their environment, clients of this process from the cluster)
+        self.security = Security.new() if security is None else security
+        self._auth_file = ""
         self.asynchronous = asynchronous
         self.timeout = timeout
         self.scheduler: Scheduler | None = None
@@ -75,12 +82,21 @@ class LocalCluster:
     async def _start(self) -> LocalCluster:
         if self.status == "running":
             return self
-        self.scheduler = Scheduler()
-        await self.scheduler.start("tcp://" + _hostport(self.host, 0) if self.processes else "inproc://")
+        self.scheduler = Scheduler(security=self.security)
+        scheme = "tls" if self.security.tls else "tcp"
+        await self.scheduler.start(f"{scheme}://" + _hostport(self.host, 0) if self.processes else "inproc://")
+        if self.processes and self.security.auth:
+            # clients of this user on this host find the secret as for `shoal scheduler`
+            self._auth_file = security.write_auth_file(self.scheduler.address, self.security)
         # a client in this process reaches the scheduler by reference, whatever the workers use
         self.local_address = (await self.scheduler.server.listen("inproc://")).contact_address
         if self.processes:
             env = dict(os.environ)
+            env.pop("SHOAL_AUTH_FILE", None)
+            env.pop("SHOAL_AUTH", None)
+            for var in ("SHOAL_TLS_CA_FILE", "SHOAL_TLS_CERT", "SHOAL_TLS_KEY"):
+                env.pop(var, None)
+            env.update(self.security.to_env())
             # workers import what this process can import (as multiprocessing's spawn does)
             paths = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
@@ -94,7 +110,8 @@ class LocalCluster:
             self._watcher = asyncio.ensure_future(self._watch_processes())
         else:
             for i in range(self.n_workers):
-                w = Worker(self.scheduler.address, nthreads=self.threads_per_worker, name=f"worker-{i}")
+                w = Worker(self.scheduler.address, nthreads=self.threads_per_worker, name=f"worker-{i}",
+                           security=self.security)
                 await w.start()
                 self.workers.append(w)
         self.status = "running"
@@ -159,6 +176,9 @@ class LocalCluster:
             self._watcher.cancel()
         if self.scheduler is not None:
             await self.scheduler.close()
+            if self._auth_file:
+                security.remove_auth_file(self.scheduler.address, self.security)
+                self._auth_file = ""
         for w in self.workers:
             await w.close(report=False)
         loop = asyncio.get_running_loop()

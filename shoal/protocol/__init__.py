@@ -17,7 +17,7 @@ from .serialize import (
     to_serialize,
 )
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -1,12 +1,13 @@
 """Request/response servers, proxies, a connection pool and batched streams."""
 
-from .batched import BatchedSend, read_batch
+from .batched import BatchedSend, read_batch, send_heartbeats
 from .core import Server, error_message, raise_error_message, request, result_of, send_recv
 from .pool import ConnectionPool, PooledRPC, rpc
 
 __all__ = [
     "BatchedSend",
     "read_batch",
+    "send_heartbeats",
     "ConnectionPool",
     "PooledRPC",
     "Server",

@@ -11,7 +11,7 @@ from .. import config
 from ..comm import Comm
 from ..errors import CommClosedError, CommError, DeserializationError
 
-__all__ = ["BatchedSend", "read_batch"]
+__all__ = ["BatchedSend", "read_batch", "send_heartbeats"]
 
 logger = logging.getLogger("shoal.rpc.batched")
 
@@ -193,3 +193,16 @@ async def read_batch(comm: Comm) -> list[Any]:
             logger.error("dropped a batch from %s that cannot be read: %s", comm.peer_address, exc)
             continue
         return batch if isinstance(batch, list) else [batch]
+
+
+async def send_heartbeats(stream: BatchedSend, interval: float) -> None:
+    """Send ``{"op": "heartbeat"}`` on ``stream`` every ``interval`` seconds until the
+    stream fails, so that a peer that watches for silence (the scheduler's
+    ``worker-ttl``) keeps us while we have nothing else to say. Lazily: it rides along
+    with the next message, or goes alone after ``batched-lazy-delay``."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            stream.send({"op": "heartbeat"}, lazy=True)
+        except CommError:
+            return  # the stream is gone; its reader notices

@@ -19,7 +19,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from .. import config
 from ..comm import Comm, Listener, listen
+from ..comm.security import Security
 from ..errors import (
     CommBrokenError,
     CommClosedError,
@@ -103,8 +105,11 @@ class Server:
         stream_handlers: dict[str, HandlerFn] | None = None,
         deserialize: bool = True,
         name: str = "",
+        security: Security | None = None,
     ):
         self.handlers = dict(handlers)
+        #: who may connect (see :func:`shoal.comm.listen`)
+        self.security = security
         self.stream_handlers = dict(stream_handlers or {})
         self.deserialize = deserialize
         self.name = name or type(self).__name__
@@ -121,7 +126,7 @@ class Server:
 
     async def listen(self, address: str) -> Listener:
         """Start serving on ``address``; returns the listener."""
-        listener = await listen(address, self.handle_comm, deserialize=self.deserialize)
+        listener = await listen(address, self.handle_comm, deserialize=self.deserialize, security=self.security)
         self.listeners.append(listener)
         return listener
 
@@ -134,6 +139,7 @@ class Server:
             self.comms.discard(comm)
 
     async def _serve(self, comm: Comm) -> None:
+        idle = config.get("idle-timeout")
         while not self._closed:
             try:
                 msg = await comm.read()
@@ -157,6 +163,10 @@ class Server:
             if op in self.stream_handlers:
                 await self._call(self.stream_handlers[op], comm, msg, op)
                 return
+            if idle:
+                # a request connection: one that idles long is closed (a stream is not)
+                comm.set_idle_timeout(idle)
+                idle = 0.0
             handler = self.handlers.get(op)
             if handler is None:
                 logger.error(

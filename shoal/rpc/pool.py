@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import defaultdict, deque
 from typing import Any
 
 from .. import config
 from ..comm import Comm, connect
+from ..comm.security import Security
 from ..errors import CommClosedError
 from .core import request, result_of
 
@@ -24,18 +26,24 @@ class ConnectionPool:
     convenient form.
     """
 
-    def __init__(self, limit: int | None = None, deserialize: bool = True, timeout: float | None = None):
+    def __init__(self, limit: int | None = None, deserialize: bool = True, timeout: float | None = None,
+                 security: Security | None = None):
         self.limit = config.get("pool-limit") if limit is None else limit
         if self.limit < 1:
             raise ValueError("a connection pool needs a limit of at least 1")
         self.deserialize = deserialize
         self.timeout = timeout
+        #: the credentials every connection proves (None: found per address)
+        self.security = security
         self.available: dict[str, set[Comm]] = defaultdict(set)
         self.occupied: dict[str, set[Comm]] = defaultdict(set)
         self._opening = 0
         # callers waiting for a free slot, woken one at a time (first come, first served)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
+        # idle comms are not reused after half the servers' idle-timeout
+        self._max_idle = config.get("idle-timeout") / 2
+        self._returned: dict[Comm, float] = {}
 
     @property
     def open(self) -> int:
@@ -57,9 +65,16 @@ class ConnectionPool:
             idle = self.available.get(address)
             while idle:
                 comm = idle.pop()
-                if not comm.closed():
-                    self.occupied[address].add(comm)
-                    return comm
+                returned = self._returned.pop(comm, 0.0)
+                if comm.closed():
+                    continue
+                if self._max_idle and time.monotonic() - returned > self._max_idle:
+                    # its server closes it soon (idle-timeout): a request now could
+                    # cross that close
+                    comm.abort()
+                    continue
+                self.occupied[address].add(comm)
+                return comm
             if self.open < self.limit:
                 break
             if not self._close_one_idle():
@@ -76,7 +91,8 @@ class ConnectionPool:
                     raise CommClosedError("the connection pool is closed")
         self._opening += 1
         try:
-            comm = await connect(address, timeout=self.timeout if timeout is None else timeout, deserialize=self.deserialize)
+            comm = await connect(address, timeout=self.timeout if timeout is None else timeout,
+                                 deserialize=self.deserialize, security=self.security)
         except BaseException:
             self._wake()  # the slot we held is free again
             raise
@@ -91,7 +107,9 @@ class ConnectionPool:
     def _close_one_idle(self) -> bool:
         for comms in self.available.values():
             if comms:
-                comms.pop().abort()
+                comm = comms.pop()
+                self._returned.pop(comm, None)
+                comm.abort()
                 return True
         return False
 
@@ -102,12 +120,15 @@ class ConnectionPool:
             comm.abort()
         else:
             self.available[address].add(comm)
+            if self._max_idle:
+                self._returned[comm] = time.monotonic()
         self._wake()
 
     def remove(self, address: str) -> None:
         """Close every comm to ``address`` (e.g. when that peer is gone)."""
         comms = self.available.pop(address, set()) | self.occupied.pop(address, set())
         for comm in comms:
+            self._returned.pop(comm, None)
             comm.abort()
         self._wake(len(comms))
 
@@ -156,10 +177,12 @@ class PooledRPC:
         await self.close()
 
 
-def rpc(address: str, deserialize: bool = True, timeout: float | None = None) -> PooledRPC:
+def rpc(address: str, deserialize: bool = True, timeout: float | None = None,
+        security: Security | None = None) -> PooledRPC:
     """A proxy for calls to ``address``: ``async with rpc(addr) as r: await r.ping()``.
 
     It owns a pool of one connection, closed by ``close()`` (or leaving the ``async
     with``); share a :class:`ConnectionPool` for calls to many peers.
     """
-    return PooledRPC(ConnectionPool(limit=1, deserialize=deserialize, timeout=timeout), address)
+    pool = ConnectionPool(limit=1, deserialize=deserialize, timeout=timeout, security=security)
+    return PooledRPC(pool, address)

@@ -3,9 +3,11 @@ messages.
 
 Workers and clients each hold one long-lived stream to the scheduler (ops
 ``register-worker`` and ``register-client``), carrying batches of small messages both
-ways. The scheduler's comms do not deserialize: task payloads, exceptions and scattered
-values stay :class:`~shoal.protocol.Serialized` (or, in-process, the objects themselves)
-and are forwarded as they came.
+ways; every batch a worker sends counts as a sign of life, and a worker silent for
+``worker-ttl`` seconds is removed (:mod:`.liveness`). The scheduler's comms do not
+deserialize: task payloads, exceptions and scattered values stay
+:class:`~shoal.protocol.Serialized` (or, in-process, the objects themselves) and are
+forwarded as they came.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from typing import Any
 
 from .. import config
-from ..comm import Comm, shm, shm_handover
+from ..comm import Comm, security, shm, shm_handover
+from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
 from ..errors import CommError
 from ..rpc import BatchedSend, Server, read_batch
@@ -25,9 +29,12 @@ from .state import (
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
+    CheckLivenessEvent,
     ClientMsg,
+    CloseWorkerStream,
     ComputeTask,
     FreeKeys,
+    HeartbeatEvent,
     Instruction,
     MissingDataEvent,
     NewTask,
@@ -50,9 +57,11 @@ logger = logging.getLogger("shoal.scheduler")
 class Scheduler:
     """Serves workers and clients; all decisions are :class:`SchedulerState`'s."""
 
-    def __init__(self, name: str = "scheduler"):
-        self.state = SchedulerState()
+    def __init__(self, name: str = "scheduler", security: Security | None = None):
+        self.state = SchedulerState(worker_ttl=config.get("worker-ttl"))
         self.name = name
+        #: who may connect: a fresh random secret unless one is given
+        self.security = Security.new() if security is None else security
         self.server = Server(
             {
                 "identity": self.identity,
@@ -69,6 +78,7 @@ class Scheduler:
             },
             deserialize=False,
             name=name,
+            security=self.security,
         )
         self.worker_streams: dict[str, BatchedSend] = {}
         self.worker_comms: dict[str, Comm] = {}
@@ -76,6 +86,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._workers_changed: asyncio.Event | None = None
         self._housekeeping: asyncio.Future[None] | None = None
+        self._liveness: asyncio.Future[None] | None = None
         self.closing = False
 
     @property
@@ -83,11 +94,27 @@ class Scheduler:
         return self.server.address
 
     async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:
-        await self.server.listen(address)
+        listener = await self.server.listen(address)
+        # connections of this process to it find its secret without being told
+        security.register(listener.contact_address, self.security)
+        warn_if_exposed(listener.listen_address, self.security)
         logger.info("scheduler at %s", self.address)
         if shm.enabled():
             self._housekeeping = asyncio.ensure_future(self._shm_housekeeping(config.get("shm-pool-idle")))
+        ttl = self.state.worker_ttl
+        if ttl > 0:
+            self._liveness = asyncio.ensure_future(self._check_liveness(min(ttl / 4, 1.0)))
         return self
+
+    async def _check_liveness(self, period: float) -> None:
+        """Tell the state the time every ``period`` seconds: it removes silent workers."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._apply(CheckLivenessEvent(self._stimulus("check-liveness"), time.monotonic()))
+            except Exception:
+                # a bug, but one that must not end the checks for the rest of the run
+                logger.exception("the liveness check failed")
 
     async def _shm_housekeeping(self, idle: float) -> None:
         """Task arguments sent to same-host workers wait in segments of this process
@@ -157,13 +184,14 @@ class Scheduler:
         stream.start(comm)
         self.worker_streams[address] = stream
         self.worker_comms[address] = comm
-        self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name))
+        self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name,
+                                   time.monotonic()))
         logger.info("worker %s joined (%d threads)", address, nthreads)
         self._notify_workers_changed()
         clean = False
         try:
             while True:
-                for msg in await read_batch(comm):
+                for msg in self._seen(address, await read_batch(comm)):
                     if isinstance(msg, dict) and msg.get("op") == "unregister":
                         clean = True
                     try:
@@ -178,7 +206,8 @@ class Scheduler:
             self.worker_streams.pop(address, None)
             self.worker_comms.pop(address, None)
             stream.abort()
-            if not self.closing:
+            # a worker removed for its silence was logged then (CloseWorkerStream)
+            if not self.closing and address in self.state.workers:
                 logger.info("worker %s left%s", address, "" if clean else " (connection lost)")
             self._apply(RemoveWorkerEvent(self._stimulus("remove-worker"), address, crashed=not clean))
             self._notify_workers_changed()
@@ -187,6 +216,12 @@ class Scheduler:
                 removed = shm.sweep(pid)
                 if removed:
                     logger.info("removed %d shared-memory segment(s) of dead worker %s", removed, address)
+
+    def _seen(self, address: str, batch: list[Any]) -> list[Any]:
+        """Note that worker ``address`` is alive (whatever it sends shows it, not only
+        its heartbeats); returns ``batch``."""
+        self._apply(HeartbeatEvent(self._stimulus("seen"), address, time.monotonic()))
+        return batch
 
     def _notify_workers_changed(self) -> None:
         if self._workers_changed is not None:
@@ -232,8 +267,9 @@ class Scheduler:
         await comm.write({"status": "OK", "address": self.address})
         # a client process of this host gets back the segments it handed its tasks'
         # arguments over in, once the tasks are forgotten (its next ones reuse them)
-        pid = comm.peer_info.get("pid")
-        same_host = isinstance(pid, int) and pid != os.getpid() and comm.peer_info.get("host") == local_info()["host"]
+        peer_pid = comm.peer_info.get("pid")
+        pid = peer_pid if isinstance(peer_pid, int) else 0
+        same_host = pid > 0 and pid != os.getpid() and comm.peer_info.get("host") == local_info()["host"]
         if same_host:
             shm_handover.return_to.add(pid)
         stream = BatchedSend(name=f"to-{client}")
@@ -343,6 +379,13 @@ class Scheduler:
             if inst.report:
                 msg["report"] = True
             self._send_worker(inst.worker, msg)
+        elif isinstance(inst, CloseWorkerStream):
+            logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
+                           inst.worker, inst.silent_for, self.state.worker_ttl)
+            stream = self.worker_streams.get(inst.worker)
+            if stream is not None:
+                # its handler then sees the connection end, as for a worker that died
+                stream.abort()
         elif isinstance(inst, FreeKeys):
             self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys}, lazy=True)
         elif isinstance(inst, ClientMsg):
@@ -364,6 +407,10 @@ class Scheduler:
 
     async def close(self) -> None:
         self.closing = True
+        if self._liveness is not None:
+            self._liveness.cancel()  # workers that stop talking now are closing
+        for listener in self.server.listeners:
+            security.unregister(listener.contact_address)
         await self.retire_all()
         for stream in list(self.worker_streams.values()) + list(self.client_streams.values()):
             await stream.close(timeout=2.0)

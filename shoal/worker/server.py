@@ -20,12 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..comm import Comm, connect
+from ..comm.security import Security
 from ..comm.core import local_info
 from ..errors import CommError, SerializationError
 from .. import config
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, Server, read_batch
+from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats
 from ..taskspec import RunSpec, run
 from .store import WorkerStore
 from .state import (
@@ -54,7 +55,7 @@ class Worker:
     """A worker that joins the scheduler at ``scheduler_address``."""
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name: str = "",
-                 listen_address: str | None = None):
+                 listen_address: str | None = None, security: Security | None = None):
         if nthreads < 1:
             raise ValueError(f"nthreads must be at least 1, got {nthreads}")
         self.scheduler_address = scheduler_address
@@ -62,8 +63,10 @@ class Worker:
         self.name = name
         if listen_address is None:
             scheme = scheduler_address.split("://")[0] if "://" in scheduler_address else "tcp"
-            listen_address = "inproc://" if scheme == "inproc" else "tcp://127.0.0.1:0"
+            listen_address = "inproc://" if scheme == "inproc" else f"{scheme}://127.0.0.1:0"
         self.listen_address = listen_address
+        #: the cluster's credentials (None: found for the scheduler's address at start)
+        self.security = security
         self.server = Server(
             {
                 "get-data": self.get_data,
@@ -99,11 +102,20 @@ class Worker:
     async def start(self) -> Worker:
         self.loop = asyncio.get_running_loop()
         self._stopped = self.loop.create_future()
-        await self.server.listen(self.listen_address)
+        comm = await connect(self.scheduler_address, deserialize=False, security=self.security)
+        if self.security is None:
+            self.security = comm.security  # what was found for the scheduler's address
+        # peers prove the cluster's secret to this worker as to the scheduler
+        self.server.security = self.security or Security.disabled()
+        self.pool.security = self.server.security
+        try:
+            await self.server.listen(self.listen_address)
+        except BaseException:
+            comm.abort()
+            raise
         self.store = WorkerStore()
         self.state = WorkerState(self.address, self.nthreads, data=self.store,
                                  queued=config.get("executor-queue"))
-        comm = await connect(self.scheduler_address, deserialize=False)
         await comm.write({
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
             "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
@@ -125,6 +137,8 @@ class Worker:
         self.stream = BatchedSend(name="to-scheduler")
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
+        if config.get("heartbeat-interval") > 0:
+            self._spawn(send_heartbeats(self.stream, config.get("heartbeat-interval")))
         self.status = "running"
         return self
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shoal import config
+from shoal.comm.handshake import MAX_BYTES
 from shoal.protocol import loads
 from shoal.rpc import Server, rpc
 from shoal_helpers import (
@@ -30,6 +31,7 @@ from shoal_helpers import (
     LoopThread,
     frame_bytes,
     complete_handshake,
+    secret_of,
     log_waiter,
     message_bytes,
     raw_connect,
@@ -110,7 +112,8 @@ def _error_logged(caplog: pytest.LogCaptureFixture, *words: str) -> logging.LogR
 
 
 def _handshake_done(bad: socket.socket) -> None:
-    complete_handshake(bad)
+    host, port = bad.getpeername()[:2]
+    complete_handshake(bad, secret_of(f"tcp://{host}:{port}"))
 
 
 # ------------------------------------------------------------------------ before the handshake
@@ -168,7 +171,8 @@ def test_frame_length_above_the_maximum(caplog, handshaken):
             bad.sendall(struct.pack("<QQ", 1, 1 << 30) + b"x" * 100)
             assert_closed_by_server(bad)
             logs.wait_for(lambda r: "exceeds the maximum" in r.getMessage())
-            record = _error_logged(caplog, "exceeds the maximum", "1000")
+            # before the handshake the stricter limit of a stranger's messages holds
+            record = _error_logged(caplog, "exceeds the maximum", "1000" if handshaken else str(MAX_BYTES))
             assert record.levelno == logging.ERROR
             assert_still_serving(address, before)
 

@@ -1,4 +1,4 @@
-"""One conformance suite, run against every transport (inproc:// and tcp://).
+"""One conformance suite, run against every transport (inproc://, tcp:// and tls://).
 
 Where transports differ by design (inproc passes objects by reference, tcp serializes),
 a test checks each one's promise; tests that only make sense for a byte transport
@@ -11,13 +11,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import struct
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from importlib.metadata import EntryPoint
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -45,14 +43,26 @@ from shoal.protocol import (
     serialize,
     to_serialize,
 )
+from shoal.comm.security import Security
 from shoal.rpc import BatchedSend, ConnectionPool, Server, rpc
-from shoal_helpers import LoopThread, assert_same, log_waiter, message_bytes
+from shoal_helpers import LoopThread, assert_same, log_waiter, message_bytes, one_frame_messages
 
-TRANSPORTS = ["inproc://", "tcp://127.0.0.1:0"]
+TRANSPORTS = ["inproc://", "tcp://127.0.0.1:0", "tls://127.0.0.1:0"]
 
 
-@pytest.fixture(params=TRANSPORTS, ids=["inproc", "tcp"])
-def address(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(scope="module")
+def tls_files() -> Iterator[Security]:
+    sec = Security.temporary()
+    yield sec
+
+
+@pytest.fixture(params=TRANSPORTS, ids=["inproc", "tcp", "tls"])
+def address(request: pytest.FixtureRequest, tls_files: Security, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param.startswith("tls"):
+        # listeners and connections of this process take their certificates from here
+        for var, path in tls_files.to_env().items():
+            if var.startswith("SHOAL_TLS"):
+                monkeypatch.setenv(var, path)
     return request.param
 
 
@@ -526,9 +536,11 @@ async def test_listener_refuses_a_client_of_another_protocol_version(caplog):
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(_handshake(PROTOCOL_VERSION + 7))
             await writer.drain()
-            data = await asyncio.wait_for(reader.read(), 10)  # the listener's handshake, then EOF
-            (n,) = struct.unpack_from("<Q", data)
-            assert n == 1 and msgpack.unpackb(data[16:])["op"] == "handshake"
+            # the listener's handshake, then its refusal, which says why, then EOF
+            messages = one_frame_messages(await asyncio.wait_for(reader.read(), 10))
+            assert [m["op"] for m in messages] == ["handshake", "handshake-refused"]
+            reason = messages[1]["reason"]
+            assert f"version {PROTOCOL_VERSION + 7}" in reason and f"version {PROTOCOL_VERSION}" in reason
             logs.wait_for(lambda r: "refused" in r.getMessage())
         record = next(r for r in caplog.records if "refused" in r.getMessage())
         assert record.levelno >= logging.WARNING
@@ -697,11 +709,11 @@ class WrappedInproc(Backend):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def connect(self, location: str, deserialize: bool, timeout: float) -> Comm:
+    async def connect(self, location: str, deserialize: bool, timeout: float, security: Any = None) -> Comm:
         self.calls.append("connect")
         return await get_backend("inproc").connect(location, deserialize, timeout)
 
-    def listener(self, location: str, handler: Any, deserialize: bool) -> Any:
+    def listener(self, location: str, handler: Any, deserialize: bool, security: Any = None) -> Any:
         self.calls.append("listener")
         return get_backend("inproc").listener(location, handler, deserialize)
 

@@ -25,6 +25,13 @@ def _wire(frames: list[bytes]) -> bytes:
     return struct.pack(f"<Q{len(frames)}Q", len(frames), *map(len, frames)) + b"".join(frames)
 
 
+def _authenticated() -> _FrameProtocol:
+    """A frame parser past the handshake (a new one has a stranger's limits)."""
+    protocol = _FrameProtocol()
+    protocol.set_limits()
+    return protocol
+
+
 def _feed(protocol: _FrameProtocol, data: bytes, rng: random.Random, max_chunk: int) -> None:
     pos = 0
     while pos < len(data):
@@ -51,7 +58,7 @@ def test_any_chunking_of_the_stream_gives_the_same_frames(max_chunk, seed):
     msgs = _messages(rng, 60 if max_chunk > 1000 else 12)
     if max_chunk < 1000:  # byte-sized pieces: keep the frames small enough to be quick
         msgs = [[f[:20_000] if max_chunk > 1 else f[:2000] for f in m] for m in msgs]
-    protocol = _FrameProtocol()
+    protocol = _authenticated()
     got: list[list[bytes]] = []
     for m in msgs:
         _feed(protocol, _wire(m), rng, max_chunk)
@@ -64,7 +71,7 @@ def test_any_chunking_of_the_stream_gives_the_same_frames(max_chunk, seed):
 def test_many_messages_in_one_read():
     rng = random.Random(5)
     msgs = [[rng.randbytes(rng.randint(1, 300))] for _ in range(40)]
-    protocol = _FrameProtocol()
+    protocol = _authenticated()
     _feed(protocol, b"".join(_wire(m) for m in msgs), rng, 1 << 20)
     assert [[bytes(f) for f in m] for m in protocol.messages] == msgs
 
@@ -78,7 +85,7 @@ def test_many_messages_in_one_read():
 )
 def test_bad_headers_are_still_protocol_errors(head):
     with config.set(max_frame_bytes=1 << 30):
-        protocol = _FrameProtocol()
+        protocol = _authenticated()
         _feed(protocol, head + b"x" * 64, random.Random(0), 1 << 20)
     assert isinstance(protocol.error, ProtocolError)
 

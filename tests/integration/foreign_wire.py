@@ -6,6 +6,8 @@ segments, connections), written from docs/protocol.md alone: nothing from shoal.
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import io
 import itertools
 import mmap
@@ -27,7 +29,7 @@ import msgpack
 # The foreign worker (docs/protocol.md only; no shoal imports in this part)
 # =====================================================================================
 
-PROTOCOL_VERSION = 3  # §3
+PROTOCOL_VERSION = 4  # §3
 MAX_FRAMES = 1 << 20  # §2.2
 MAX_FRAME_BYTES = 1 << 36  # §2.2
 EXT_TUPLE = 1  # §4.1
@@ -620,42 +622,88 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def find_secret(scheduler_address: str) -> bytes | None:
+    """§3.1: SHOAL_AUTH, the file SHOAL_AUTH_FILE names, or the scheduler's auth file
+    for its port; None if there is none."""
+    if os.environ.get("SHOAL_AUTH"):
+        return os.environ["SHOAL_AUTH"].strip().encode()
+    path = os.environ.get("SHOAL_AUTH_FILE")
+    if not path:
+        directory = os.environ.get("SHOAL_AUTH_DIR") or os.path.join(os.path.expanduser("~"), ".shoal", "auth")
+        path = os.path.join(directory, f"port-{parse_address(scheduler_address)[1]}")
+    try:
+        with open(path, "rb") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def auth_proof(secret: bytes, role: bytes, nonce_c: bytes, nonce_a: bytes) -> bytes:
+    """§3 step 2."""
+    return hmac.new(secret, b"|".join((b"shoal-auth-1", role, nonce_c, nonce_a)), hashlib.sha256).digest()
+
+
+def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str) -> dict[str, Any]:
+    msg = decode(recv_frames(sock, deadline, stop))
+    if isinstance(msg, dict) and msg.get("op") == "handshake-refused":
+        raise WireError(f"refused: {msg.get('reason')}")
+    if not isinstance(msg, dict) or msg.get("op") != op:
+        raise WireError(f"expected {op}, got {msg!r:.100}")
+    return msg
+
+
 def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = None,
-              shm: bool = False) -> dict[str, Any]:
-    """§3, both steps. With ``shm`` we offer a probe and answer whether we could open
-    the peer's; without, we offer none and answer false, so every peer treats us as
-    ``remote``. Returns the peer's step 1 and both answers."""
+              shm: bool = False, secret: bytes | None = None, connector: bool = True) -> dict[str, Any]:
+    """§3, all three steps, as the end that opened the connection (``connector``) or
+    accepted it. With ``shm`` we offer a probe and answer whether we could open the
+    peer's; without, we offer none and answer false, so every peer treats us as
+    ``remote``. Returns the peer's step 2 and both answers."""
+    nonce = os.urandom(32)
+    send_frames(sock, encode({"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce,
+                              "auth": secret is not None}), deadline)
+    hello = _handshake_msg(sock, deadline, stop, "handshake")
+    theirs = hello.get("nonce")
+    if hello.get("protocol") != PROTOCOL_VERSION or not isinstance(theirs, bytes) or len(theirs) != 32:
+        raise WireError(f"bad handshake {hello!r:.100}")
+    if (hello.get("auth") is True) != (secret is not None):
+        raise WireError("one end authenticates and the other does not")
+    nonce_c, nonce_a = (nonce, theirs) if connector else (theirs, nonce)
+    role, peer_role = (b"connector", b"acceptor") if connector else (b"acceptor", b"connector")
     probe = make_probe() if shm else None
     try:
-        hello: dict[str, Any] = {"op": "handshake", "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "host": host_id}
+        step2: dict[str, Any] = {
+            "op": "handshake-auth", "pid": os.getpid(), "host": host_id,
+            "proof": None if secret is None else auth_proof(secret, role, nonce_c, nonce_a),
+        }
         if probe is not None:
-            hello["shm_probe"] = list(probe)
-        send_frames(sock, encode(hello), deadline)
-        info = decode(recv_frames(sock, deadline, stop))
-        if not isinstance(info, dict) or info.get("op") != "handshake" or info.get("protocol") != PROTOCOL_VERSION:
-            raise WireError(f"bad handshake {info!r:.100}")
+            step2["shm_probe"] = list(probe)
+        send_frames(sock, encode(step2), deadline)
+        info = _handshake_msg(sock, deadline, stop, "handshake-auth")
+        if secret is not None and not hmac.compare_digest(
+            auth_proof(secret, peer_role, nonce_c, nonce_a), info.get("proof") or b""
+        ):
+            raise WireError("the peer's proof is wrong")
         can_map = shm and check_probe(info.get("shm_probe"))
         send_frames(sock, encode({"op": "handshake-shm", "can_map": can_map}), deadline)
-        answer = decode(recv_frames(sock, deadline, stop))
-        if not isinstance(answer, dict) or answer.get("op") != "handshake-shm":
-            raise WireError(f"bad shared-memory answer {answer!r:.100}")
+        answer = _handshake_msg(sock, deadline, stop, "handshake-shm")
     finally:
         if probe is not None:
-            remove_segment(probe[0])  # after step 2 (or a failure)
+            remove_segment(probe[0])  # after step 3 (or a failure)
     return {"peer": info, "we_map_theirs": can_map, "peer_maps_ours": answer.get("can_map") is True}
 
 
 class Connection:
     """A connection we open to a worker or the scheduler for requests (§5)."""
 
-    def __init__(self, address: str, host_id: str, shm: bool = False, timeout: float = OP_TIMEOUT):
+    def __init__(self, address: str, host_id: str, shm: bool = False, timeout: float = OP_TIMEOUT,
+                 secret: bytes | None = None):
         host, port = parse_address(address)
         assert host in ("127.0.0.1", "localhost", "::1"), f"loopback only, got {address}"
         self.timeout = timeout
         deadline = time.monotonic() + timeout
         self.sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
         try:
-            self.handshake = handshake(self.sock, host_id, deadline, shm=shm)
+            self.handshake = handshake(self.sock, host_id, deadline, shm=shm, secret=secret)
         except BaseException:
             self.sock.close()
             raise
@@ -689,12 +737,13 @@ class Connection:
         self.close()
 
 
-def connect(address: str, host_id: str, deadline: float, shm: bool = False) -> tuple[socket.socket, dict[str, Any]]:
+def connect(address: str, host_id: str, deadline: float, shm: bool = False,
+            secret: bytes | None = None) -> tuple[socket.socket, dict[str, Any]]:
     host, port = parse_address(address)
     assert host in ("127.0.0.1", "localhost", "::1"), f"loopback only, got {address}"
     sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
     try:
-        hs = handshake(sock, host_id, deadline, shm=shm)
+        hs = handshake(sock, host_id, deadline, shm=shm, secret=secret)
     except BaseException:
         sock.close()
         raise
@@ -702,17 +751,18 @@ def connect(address: str, host_id: str, deadline: float, shm: bool = False) -> t
 
 
 def request(address: str, host_id: str, op: str, timeout: float = OP_TIMEOUT, shm: bool = False,
-            **fields: Any) -> dict[str, Any]:
+            secret: bytes | None = None, **fields: Any) -> dict[str, Any]:
     """One request on a fresh connection; returns the response map (§5). Values in it
     are not decoded (so there is nothing to acknowledge)."""
-    with Connection(address, host_id, shm, timeout) as conn:
+    with Connection(address, host_id, shm, timeout, secret=secret) as conn:
         return conn.call(op, **fields)
 
 
-def get_data(address: str, host_id: str, keys: list[Any], shm: bool = False) -> dict[Any, Any]:
+def get_data(address: str, host_id: str, keys: list[Any], shm: bool = False,
+             secret: bytes | None = None) -> dict[Any, Any]:
     """§8.1 as a requester: the values ``address`` holds among ``keys``, decoded, with
     their leases acknowledged before the connection closes."""
-    with Connection(address, host_id, shm) as conn:
+    with Connection(address, host_id, shm, secret=secret) as conn:
         response = conn.call("get-data", keys=keys)
         if response.get("status") != "OK":
             raise WireError(f"get-data failed: {response.get('message')!r}")

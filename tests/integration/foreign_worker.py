@@ -34,6 +34,7 @@ from foreign_wire import (
     count,
     decode,
     encode,
+    find_secret,
     get_data,
     handshake,
     is_lease_ack,
@@ -56,8 +57,10 @@ class ForeignWorker:
     released (renamed away, kept for reuse) when their keys are freed."""
 
     def __init__(self, scheduler_address: str, name: str = "foreign", deadline: float = 120.0,
-                 shm: bool = False):
+                 shm: bool = False, secret: bytes | None = None):
         self.scheduler_address = scheduler_address
+        #: the cluster's secret (§3.1), proven on every connection
+        self.secret = find_secret(scheduler_address) if secret is None else secret
         self.name = name
         self.shm = shm
         self.host_id = f"foreign-{uuid.uuid4().hex}"  # not a Python process's host identity (§3)
@@ -98,7 +101,8 @@ class ForeignWorker:
         self.address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
         self._spawn(self._accept_loop, "foreign-accept")
         deadline = time.monotonic() + OP_TIMEOUT
-        sock, self.scheduler_handshake = connect(self.scheduler_address, self.host_id, deadline, self.shm)
+        sock, self.scheduler_handshake = connect(self.scheduler_address, self.host_id, deadline, self.shm,
+                                                 secret=self.secret)
         self._track(sock)
         send_frames(sock, encode({
             "op": "register-worker", "address": self.address, "nthreads": 1,
@@ -108,7 +112,7 @@ class ForeignWorker:
         if not isinstance(reply, dict) or reply.get("status") != "OK":
             raise WireError(f"the scheduler refused: {reply!r:.200}")
         self._stream = sock
-        self._send([{"op": "heartbeat"}])  # accepted and ignored (§7.3)
+        self._send([{"op": "heartbeat"}])  # a sign of life (§7.3)
         self._spawn(self._stream_loop, "foreign-stream")
         return self
 
@@ -258,7 +262,7 @@ class ForeignWorker:
                 pass  # fall back to get-data
         for holder in [h for h in holders if h != self.address]:
             try:
-                got = get_data(holder, self.host_id, [dep], self.shm)
+                got = get_data(holder, self.host_id, [dep], self.shm, secret=self.secret)
             except (WireError, EOF, OSError):  # OSError covers timeouts and refusals
                 got = {}
             if dep in got:
@@ -327,7 +331,8 @@ class ForeignWorker:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            hs = handshake(conn, self.host_id, time.monotonic() + 10.0, self._stop, shm=self.shm)
+            hs = handshake(conn, self.host_id, time.monotonic() + 10.0, self._stop, shm=self.shm,
+                           secret=self.secret, connector=False)
             self.peer_handshakes.append(hs)
             while True:
                 msg = decode(recv_frames(conn, self.deadline, self._stop))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -20,7 +21,11 @@ def _free_port() -> int:
 
 @pytest.fixture
 def processes():
+    from shoal.comm import security
+
     procs: list[subprocess.Popen] = []
+    auth_dir = security.auth_dir()
+    before = set(os.listdir(auth_dir)) if os.path.isdir(auth_dir) else set()
     yield procs
     for p in procs:
         if p.poll() is None:
@@ -34,6 +39,11 @@ def processes():
         for stream in (p.stdout, p.stderr):
             if stream is not None:
                 stream.close()
+    if any(p.returncode == -9 for p in procs):
+        # a scheduler killed with SIGKILL cannot remove its auth file (a later one on
+        # the same port replaces it); the test's own cleanup does
+        for name in set(os.listdir(auth_dir)) - before if os.path.isdir(auth_dir) else ():
+            os.unlink(os.path.join(auth_dir, name))
 
 
 def _start(procs, *args):
@@ -58,11 +68,40 @@ def test_scheduler_and_two_workers(processes):
         assert sorted(w["name"] for w in info["workers"].values()) == ["w0", "w1"]
         assert all(w["nthreads"] == 2 for w in info["workers"].values())
         assert sum(c.gather(c.map(abs, range(-50, 50)))) == 2 * sum(range(51)) - 50
-    # workers stop on SIGTERM, the scheduler too
+    # the secret the scheduler made is in a file only its user reads, found by the
+    # workers and the client above without being told
+    auth_line = sched.stdout.readline().split()
+    assert auth_line[:4] == ["shoal", "scheduler", "auth", "file"]
+    auth_file = auth_line[-1]
+    assert os.stat(auth_file).st_mode & 0o777 == 0o600
+    # a process without it (another user's view: another auth directory) is refused
+    elsewhere = {**os.environ, "SHOAL_AUTH_DIR": os.path.join(os.path.dirname(auth_file), "elsewhere"),
+                 "SHOAL_CONNECT_TIMEOUT": "2"}
+    stranger = subprocess.run([sys.executable, "-m", "shoal", "worker", address], capture_output=True,
+                              text=True, timeout=60, env=elsewhere)
+    assert stranger.returncode != 0 and "AuthenticationError" in stranger.stderr
+    assert "requires authentication" in stranger.stderr
+    # workers stop on SIGTERM, the scheduler too, and it removes its auth file
     for p in [*workers, sched]:
         p.terminate()
     for p in [*workers, sched]:
         assert p.wait(10) == 0
+    assert not os.path.exists(auth_file)
+
+
+def test_no_auth_works_between_no_auth_ends_and_warns(processes):
+    port = _free_port()
+    sched = _start(processes, "scheduler", "--port", str(port), "--no-auth")
+    address = sched.stdout.readline().split()[-1]
+    warning = sched.stderr.readline()
+    assert "WARNING" in warning and "--no-auth" in warning
+    worker = _start(processes, "worker", address, "--no-auth")
+    assert worker.stdout.readline().startswith("shoal worker at ")
+    with shoal.Client(address, security=shoal.Security(auth=False)) as c:
+        assert c.submit(abs, -3).result(timeout=30) == 3
+    # an end with a secret does not talk to one without
+    with pytest.raises(shoal.AuthenticationError, match="the peer has no secret"):
+        shoal.Client(address, security=shoal.Security.new(), timeout=5)
 
 
 def test_worker_without_scheduler_fails_clearly(processes):

@@ -295,7 +295,7 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
             assert stats["lease-ids-received"] == mid["lease-ids-received"]
 
         # requests of our own to the Python worker, on one connection
-        with Connection(py_address, "doc-test", shm=SHM) as conn:
+        with Connection(py_address, "doc-test", shm=SHM, secret=fw.secret) as conn:
             assert conn.handshake["we_map_theirs"] is SHM and conn.handshake["peer_maps_ours"] is SHM
             # a value in its result segment: a flag-0 ref, no lease; the segment stays
             entry = conn.call("get-data", keys=[big.key])["result"]["data"][big.key]
@@ -325,7 +325,7 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
             assert ident["status"] == "OK" and ident["result"]["address"] == py_address
         # declining shared memory: the same values as plain pickles, no leases
         mid = stats.copy()
-        plain = get_data(py_address, "doc-test", [d.key, s_there.key], shm=False)
+        plain = get_data(py_address, "doc-test", [d.key, s_there.key], shm=False, secret=fw.secret)
         assert plain[d.key] == {"k": [1, 2]} and (plain[s_there.key] == arr3).all()
         assert stats["family:pickle"] >= mid["family:pickle"] + 2
         assert stats["lease-ids-received"] == mid["lease-ids-received"]
@@ -368,7 +368,7 @@ def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[
 
     # a clean leave: unregister, the scheduler closes the stream and forgets the worker
     fw.leave()
-    ident = request(address, "test", "identity")
+    ident = request(address, "test", "identity", secret=fw.secret)
     assert ident["status"] == "OK"
     assert fw.address not in ident["result"]["workers"]
     assert py_address in ident["result"]["workers"]

@@ -54,6 +54,7 @@ def test_public_api_is_pinned():
         "SerializationError", "ShoalError",
         "Serialize", "Serialized", "deserialize", "dumps_function", "loads_function",
         "register_serializer", "serialize", "to_serialize",
+        "Security", "AuthenticationError",
     ])
     for name in shoal.__all__:
         assert getattr(shoal, name) is not None

@@ -1,0 +1,219 @@
+"""The handshake of a byte-stream comm (``tcp://``, ``tls://``): versions, proof of the
+cluster's secret, then whether the ends share a shared-memory domain.
+
+Three steps; at each one both ends write before they read, so neither waits for the
+other to start (docs/protocol.md §3):
+
+1. ``handshake``: protocol version, a fresh nonce, whether this end authenticates.
+2. ``handshake-auth``: the proof (an HMAC over both nonces and the sender's role, see
+   :mod:`.security`), the sender's pid and host, and its shared-memory probe.
+3. ``handshake-shm``: whether this end could open the peer's probe.
+
+Until step 2's proof is checked the peer is a stranger: each of its messages must be one
+frame of at most :data:`MAX_BYTES`, plain msgpack (no extension types, no out-of-band
+values, a few levels deep) that nothing but this module reads; the probe it names is
+opened only after the proof. An end that refuses (another version, no secret, a wrong
+proof, a malformed step) first tells the peer why (``handshake-refused``), so both sides
+raise :class:`~shoal.errors.HandshakeError` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from ..errors import AuthenticationError, CommError, HandshakeError, ProtocolError, ShoalError
+from ..protocol import PROTOCOL_VERSION, REMOTE, SAME_HOST
+from . import shm
+from .core import host_identity
+from .framing import STRANGER_MAX_BYTES
+from .security import NONCE_BYTES, Security, check_proof, proof
+
+if TYPE_CHECKING:
+    from .tcp import TCPComm
+
+__all__ = ["run_handshake", "MAX_BYTES", "CONNECTOR", "ACCEPTOR", "decode_stranger"]
+
+MAX_BYTES = STRANGER_MAX_BYTES
+CONNECTOR = b"connector"
+ACCEPTOR = b"acceptor"
+
+_HOW_TO_PASS = (
+    "pass the cluster's secret: Client(..., security=shoal.Security.from_file(PATH)), "
+    "--auth-file PATH, or the SHOAL_AUTH environment variable"
+)
+
+
+def decode_stranger(frames: list[Any]) -> dict[str, Any]:
+    """Decode a message from a peer that has not proven anything yet: one frame of
+    plain msgpack, a map with str keys. Raises :class:`ProtocolError` otherwise."""
+    if len(frames) != 1:
+        raise ProtocolError(f"a handshake message is one frame, got {len(frames)}")
+    try:
+        msg = msgpack.unpackb(
+            frames[0], raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
+            max_str_len=MAX_BYTES, max_bin_len=MAX_BYTES, max_array_len=64, max_map_len=64,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed handshake message: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ProtocolError(f"a handshake message is a map with an 'op' string, got {msg!r:.100}")
+    if _depth(msg) > 4:
+        raise ProtocolError("handshake message nested too deeply")
+    return msg
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} in a handshake message")
+
+
+def _depth(obj: Any, level: int = 1) -> int:
+    if level > 4:
+        return level
+    if isinstance(obj, dict):
+        return max([level, *(_depth(v, level + 1) for v in obj.values())])
+    if isinstance(obj, list):
+        return max([level, *(_depth(v, level + 1) for v in obj)])
+    return level
+
+
+class _Refused(Exception):
+    """This end refuses the peer; the text goes to both sides."""
+
+    def __init__(self, text: str, auth: bool = False):
+        super().__init__(text)
+        self.auth = auth  # about the secret: AuthenticationError
+
+
+async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, timeout: float) -> None:
+    """Run the handshake on a fresh comm as ``role`` (:data:`CONNECTOR` or
+    :data:`ACCEPTOR`). On success ``comm.peer_info`` and ``comm.destination`` are set.
+    Raises :class:`HandshakeError` (the comm is then closed) for a refusal by either
+    side, a timeout, or a peer that breaks the protocol."""
+    # the frame protocol starts with a stranger's limits (one small frame a message,
+    # nothing parsed after the handshake's messages); they are lifted once it is done
+    protocol = comm._protocol
+    probe: tuple[str, str] | None = None
+    peer = comm.peer_address
+    try:
+        try:
+            probe = await _steps(comm, role, security, timeout)
+        except _Refused as exc:
+            await _refuse(comm, str(exc))
+            error = AuthenticationError if exc.auth else HandshakeError
+            raise error(f"refused connection {_direction(role)} {peer}: {exc}") from None
+        except HandshakeError:
+            comm.abort()
+            raise
+        except asyncio.TimeoutError:
+            comm.abort()
+            raise HandshakeError(
+                f"refused connection {_direction(role)} {peer}: no handshake within {timeout:.0f}s"
+            ) from None
+        except (ShoalError, OSError) as exc:
+            comm.abort()
+            raise HandshakeError(f"refused connection {_direction(role)} {peer}: {exc}") from exc
+    finally:
+        if probe is not None:
+            shm.unlink(probe[0])
+    protocol.set_limits()
+
+
+def _direction(role: bytes) -> str:
+    return "to" if role == CONNECTOR else "from"
+
+
+async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout: float) -> tuple[str, str] | None:
+    secret = security.secret if security is not None else None
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await comm.write({"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None})
+    hello = await _read(comm, "handshake", timeout)
+    version = hello.get("protocol")
+    if version != PROTOCOL_VERSION:
+        raise _Refused(f"the peer speaks shoal protocol version {version!r}; this end speaks version {PROTOCOL_VERSION}")
+    theirs = hello.get("nonce")
+    if not isinstance(theirs, bytes) or len(theirs) != NONCE_BYTES:
+        raise _Refused(f"malformed handshake: 'nonce' must be {NONCE_BYTES} bytes")
+    if secret is not None and hello.get("auth") is not True:
+        raise _Refused(f"this end requires authentication and the peer has no secret for this cluster; {_HOW_TO_PASS}",
+                       auth=True)
+    if secret is None and hello.get("auth") is True:
+        raise _Refused(f"the peer requires authentication and this process has no secret for it; {_HOW_TO_PASS}",
+                       auth=True)
+    n_connector, n_acceptor = (nonce, theirs) if role == CONNECTOR else (theirs, nonce)
+    other = ACCEPTOR if role == CONNECTOR else CONNECTOR
+    probe = shm.probe()
+    step2: dict[str, Any] = {
+        "op": "handshake-auth",
+        "proof": None if secret is None else proof(secret, role, n_connector, n_acceptor),
+        "pid": os.getpid(),
+        "host": host_identity(),
+    }
+    if probe is not None:
+        step2["shm_probe"] = list(probe)
+    try:
+        await comm.write(step2)
+        info = await _read(comm, "handshake-auth", timeout)
+        if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.get("proof")):
+            raise _Refused("authentication failed: the peer does not know this cluster's secret", auth=True)
+        # the peer is one of ours from here on
+        offered = info.get("shm_probe")
+        can_map = (
+            isinstance(offered, list) and len(offered) == 2 and shm.check_probe(*offered)
+        )
+        await comm.write({"op": "handshake-shm", "can_map": can_map})
+        answer = await _read(comm, "handshake-shm", timeout)
+    except BaseException:
+        if probe is not None:
+            shm.unlink(probe[0])
+        raise
+    pid = info.get("pid")
+    comm.peer_info = {
+        "op": "handshake",
+        "protocol": version,
+        "pid": pid if type(pid) is int else None,
+        "host": info.get("host") if isinstance(info.get("host"), str) else "",
+        "authenticated": secret is not None,
+        "shm": {"peer_maps_ours": answer.get("can_map") is True, "we_map_theirs": can_map},
+    }
+    comm.destination = SAME_HOST if answer.get("can_map") is True else REMOTE
+    return probe
+
+
+async def _read(comm: TCPComm, op: str, timeout: float) -> dict[str, Any]:
+    frames = await asyncio.wait_for(comm._protocol.next_frames(), timeout)
+    try:
+        msg = decode_stranger(frames)
+    except ProtocolError as exc:
+        raise _Refused(str(exc)) from None
+    got = msg["op"]
+    if got == "handshake-refused":
+        reason = msg.get("reason")
+        text = reason if isinstance(reason, str) else "?"
+        error = AuthenticationError if "authentication" in text else HandshakeError
+        raise error(f"{comm.peer_address} refused the connection: {text}")
+    if got != op:
+        if op == "handshake":
+            raise _Refused(f"the peer did not start with a shoal handshake (got op {got!r:.50})")
+        raise _Refused(f"expected {op!r} in the handshake, got {got!r:.50}")
+    return msg
+
+
+async def _refuse(comm: TCPComm, reason: str) -> None:
+    """Tell the peer why, then close (what is written is flushed first)."""
+    try:
+        await asyncio.wait_for(
+            comm.write({"op": "handshake-refused", "reason": reason[:1000], "protocol": PROTOCOL_VERSION}), 1.0
+        )
+    except (CommError, asyncio.TimeoutError, OSError):
+        pass
+    try:
+        await asyncio.wait_for(comm.close(), 1.0)
+    except (asyncio.TimeoutError, OSError):
+        comm.abort()

@@ -1,0 +1,359 @@
+"""Authentication in the handshake, and what a stranger may make a listener do.
+
+Real tcp listeners and connections in this process; raw sockets for peers that break
+the rules. A stranger (a peer that has not proven the cluster's secret) gets no further
+than the handshake, and the listener keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import pickle
+import re
+import socket
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+
+from shoal import config
+from shoal.comm import connect, security
+from shoal.comm.handshake import MAX_BYTES
+from shoal.comm.security import Security
+from shoal.errors import AuthenticationError, HandshakeError
+from shoal.protocol import PROTOCOL_VERSION
+from shoal.rpc import Server, rpc
+from shoal_helpers import (
+    LoopThread,
+    complete_handshake,
+    frame_bytes,
+    handshake_bytes,
+    log_waiter,
+    message_bytes,
+    one_frame_messages,
+    recv_frames,
+    recv_until_closed,
+)
+
+
+def echo(comm: Any, x: Any = None) -> Any:
+    return x
+
+
+async def _echo_server(sec: Security | None) -> Server:
+    server = Server({"echo": echo}, name="guarded", security=sec)
+    await server.listen("tcp://127.0.0.1:0")
+    return server
+
+
+async def test_same_secret_connects_and_the_peer_is_authenticated():
+    sec = Security.new()
+    server = await _echo_server(sec)
+    try:
+        async with rpc(server.address, security=sec) as r:
+            assert await r.echo(x=(1, "a")) == (1, "a")
+        comm = await connect(server.address, security=sec)
+        assert comm.peer_info["authenticated"] is True
+        assert comm.peer_info["pid"] == os.getpid()
+        await comm.close()
+    finally:
+        await server.close()
+
+
+def test_no_secret_is_refused_with_a_reason_on_both_sides(caplog):
+    thread, server = _serving(Security.new())
+    try:
+        with log_waiter() as logs:
+            with pytest.raises(AuthenticationError, match="requires authentication.*SHOAL_AUTH"):
+                asyncio.run(connect(server.address, security=Security.disabled(), timeout=5))
+            record = logs.wait_for(lambda r: "refused connection from" in r.getMessage())
+        assert record.levelno >= logging.WARNING and "no secret" in record.getMessage()
+    finally:
+        _stop(thread, server)
+
+
+async def test_a_wrong_secret_is_refused():
+    server = await _echo_server(Security.new())
+    try:
+        with pytest.raises(AuthenticationError, match="does not know this cluster's secret"):
+            await connect(server.address, security=Security.new(), timeout=5)
+    finally:
+        await server.close()
+
+
+async def test_an_end_with_a_secret_refuses_a_listener_without_one():
+    server = await _echo_server(Security.disabled())
+    try:
+        with pytest.raises(AuthenticationError, match="the peer has no secret"):
+            await connect(server.address, security=Security.new(), timeout=5)
+        comm = await connect(server.address, security=Security.disabled())  # both without: fine
+        assert comm.peer_info["authenticated"] is False
+        await comm.close()
+    finally:
+        await server.close()
+
+
+async def test_a_listener_without_security_makes_a_secret_only_this_process_knows():
+    server = Server({"echo": echo})
+    await server.listen("tcp://127.0.0.1:0")
+    try:
+        found = security.for_address(server.address)
+        assert found is not None and found.auth
+        async with rpc(server.address) as r:  # found without being told
+            assert await r.echo(x=3) == 3
+        with pytest.raises(AuthenticationError):
+            await connect(server.address, security=Security.new(), timeout=5)
+    finally:
+        await server.close()
+    assert security.for_address(server.address) is None  # unregistered when it stopped
+
+
+# ------------------------------------------------------------------ raw peers
+
+
+def _serving(sec: Security) -> Any:
+    """A loop thread serving echo with ``sec``; yields (thread, address)."""
+    thread = LoopThread(name="auth-server")
+    thread.__enter__()
+    server = thread.run(_echo_server(sec))
+    return thread, server
+
+
+def _stop(thread: LoopThread, server: Server) -> None:
+    try:
+        thread.run(server.close())
+    finally:
+        thread.__exit__(None, None, None)
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_the_secret_never_crosses_the_wire_and_a_raw_peer_with_it_gets_in():
+    sec = Security("a-secret-that-must-not-travel")
+    thread, server = _serving(sec)
+    try:
+        with _raw(server.address) as sock:
+            info = complete_handshake(sock, sec.secret)
+            assert info["op"] == "handshake-auth" and isinstance(info["proof"], bytes)
+            sock.sendall(message_bytes({"op": "echo", "reply": True, "x": "in"}))
+            (response,) = recv_frames(sock)
+            assert msgpack.unpackb(response) == {"status": "OK", "result": "in"}
+            assert sec.secret not in response and sec.secret not in info["proof"]
+    finally:
+        _stop(thread, server)
+
+
+def test_a_proof_made_for_the_other_role_is_refused():
+    """A peer cannot pass our own kind of proof back to us: the role is in the HMAC."""
+    sec = Security.new()
+    thread, server = _serving(sec)
+    try:
+        with _raw(server.address) as sock:
+            nonce = os.urandom(32)
+            sock.sendall(handshake_bytes(nonce=nonce))
+            (hello,) = recv_frames(sock)
+            theirs = msgpack.unpackb(hello)["nonce"]
+            wrong = security.proof(sec.secret, b"acceptor", nonce, theirs)
+            sock.sendall(message_bytes({"op": "handshake-auth", "proof": wrong, "pid": 1, "host": "x"}))
+            rest = recv_until_closed(sock)
+            assert b"handshake-refused" in rest and b"authentication failed" in rest
+        assert thread.run(_echo_via(server.address, sec)) == "ok"  # serves on
+    finally:
+        _stop(thread, server)
+
+
+async def _echo_via(address: str, sec: Security) -> Any:
+    async with rpc(address, security=sec) as r:
+        return await r.echo(x="ok")
+
+
+class _Canary:
+    """Unpickling this writes a file named after the unpickling process."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def __reduce__(self) -> Any:
+        return (_touch, (self.directory,))
+
+
+def _touch(directory: str) -> None:
+    open(os.path.join(directory, f"ran-in-{os.getpid()}"), "w").close()
+
+
+@pytest.mark.parametrize("where", ["table-entry", "second-frame", "ext-in-header", "oversized"])
+def test_a_stranger_s_first_message_is_never_decoded(tmp_path, where):
+    """The handshake message of a stranger is one small frame of plain msgpack: a
+    pickle placed in it as an out-of-band table entry (or anything else) runs nowhere."""
+    canary = pickle.dumps(_Canary(str(tmp_path)))
+    header = msgpack.packb({"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32,
+                            "auth": True, "x": msgpack.ExtType(2, (0).to_bytes(4, "little"))})
+    table = msgpack.packb([["pickle", {}, 1, False]])
+    frames = {
+        "table-entry": [header, table, canary],
+        "second-frame": [msgpack.packb({"op": "handshake"}), canary],
+        "ext-in-header": [header],
+        "oversized": [msgpack.packb({"op": "handshake", "pad": b"x" * (MAX_BYTES + 1)})],
+    }[where]
+    thread, server = _serving(Security.new())
+    try:
+        with _raw(server.address) as sock:
+            sock.sendall(frame_bytes(frames))
+            recv_until_closed(sock)
+        assert thread.run(_echo_via(server.address, server.security)) == "ok"
+    finally:
+        _stop(thread, server)
+    assert os.listdir(tmp_path) == []
+
+
+def test_nothing_after_the_handshake_messages_is_parsed_before_the_proof(tmp_path):
+    """A stranger that sends its requests right behind a bad proof gets none of them read."""
+    sec = Security.new()
+    thread, server = _serving(sec)
+    try:
+        with _raw(server.address) as sock:
+            sock.sendall(handshake_bytes(nonce=os.urandom(32)))
+            recv_frames(sock)
+            bogus = message_bytes({"op": "handshake-auth", "proof": b"0" * 32, "pid": 1, "host": "x"})
+            big = struct.pack("<QQ", 1, 1 << 30)  # would be a 1 GiB frame, if it were read
+            sock.sendall(bogus + message_bytes({"op": "handshake-shm", "can_map": False}) + big)
+            rest = recv_until_closed(sock)
+            assert b"authentication failed" in rest
+    finally:
+        _stop(thread, server)
+
+
+def test_a_peer_of_another_version_is_told_both_versions():
+    thread, server = _serving(Security.new())
+    try:
+        with _raw(server.address) as sock:
+            sock.sendall(handshake_bytes(protocol=PROTOCOL_VERSION - 1, nonce=os.urandom(32)))
+            data = recv_until_closed(sock)
+        refusal = [m for m in one_frame_messages(data) if m["op"] == "handshake-refused"]
+        assert refusal and f"version {PROTOCOL_VERSION - 1}" in refusal[0]["reason"]
+        assert f"version {PROTOCOL_VERSION}" in refusal[0]["reason"]
+    finally:
+        _stop(thread, server)
+
+
+# ------------------------------------------------------------------ limits on strangers
+
+
+def test_too_many_strangers_at_once_are_turned_away_and_the_rest_serve_on():
+    with config.set(max_handshaking=3):
+        thread, server = _serving(Security.new())
+        strangers: list[socket.socket] = []
+        try:
+            with log_waiter() as logs:
+                for _ in range(3):  # connected, silent: each holds a handshake slot
+                    strangers.append(_raw(server.address))
+                    strangers[-1].recv(4096)  # its step 1 arrived: the slot is taken
+                late = _raw(server.address)
+                strangers.append(late)
+                assert recv_until_closed(late) == b""  # closed before anything was said
+                logs.wait_for(lambda r: "max-handshaking" in r.getMessage())
+            for s in strangers[:3]:
+                s.close()
+            # the slots come back as the strangers go: a real peer gets in
+            assert thread.run(_retry_echo(server.address, server.security)) == "ok"
+        finally:
+            for s in strangers:
+                s.close()
+            _stop(thread, server)
+
+
+async def _retry_echo(address: str, sec: Security) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while True:
+        try:
+            return await _echo_via(address, sec)
+        except HandshakeError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.01)  # retry backoff while the listener frees slots
+
+
+def test_a_peer_that_stops_in_the_middle_of_a_message_is_closed():
+    with config.set(partial_message_timeout=0.2):
+        sec = Security.new()
+        thread, server = _serving(sec)
+        try:
+            with log_waiter() as logs, _raw(server.address) as sock:
+                complete_handshake(sock, sec.secret)
+                sock.sendall(struct.pack("<QQ", 1, 100) + b"\x81")  # 1 byte of 100
+                assert recv_until_closed(sock) == b""
+                logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
+            assert thread.run(_echo_via(server.address, sec)) == "ok"
+        finally:
+            _stop(thread, server)
+
+
+def test_an_idle_request_connection_is_closed_but_a_busy_one_is_not():
+    with config.set(idle_timeout=0.3):
+        sec = Security.new()
+        thread, server = _serving(sec)
+        try:
+            with _raw(server.address) as idle:
+                complete_handshake(idle, sec.secret)
+                idle.sendall(message_bytes({"op": "echo", "reply": True, "x": 1}))
+                recv_frames(idle)
+                assert recv_until_closed(idle) == b""  # then nothing: closed by the server
+            # a pool does not hand out a connection its server is about to close
+            assert thread.run(_echo_via(server.address, sec)) == "ok"
+        finally:
+            _stop(thread, server)
+
+
+# ------------------------------------------------------------------ the documented example
+
+
+def test_the_proof_in_the_protocol_document():
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md")) as f:
+        doc = f.read()
+    shown = re.search(r"which is\s+`([0-9a-f]{64})`", doc)
+    assert shown is not None
+    expected = hmac.new(b"example-secret", b"shoal-auth-1|connector|" + bytes(range(32)) + b"|"
+                        + bytes(range(32, 64)), hashlib.sha256).hexdigest()
+    assert shown.group(1) == expected
+    assert security.proof(b"example-secret", b"connector", bytes(range(32)), bytes(range(32, 64))).hex() == expected
+
+
+# ------------------------------------------------------------------ secrets on disk
+
+
+def test_auth_files_are_private_and_bad_ones_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_AUTH_DIR", str(tmp_path / "auth"))
+    sec = Security.new()
+    path = security.write_auth_file("tcp://127.0.0.1:4321", sec)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    assert security.for_address("tcp://127.0.0.1:4321").secret == sec.secret
+    os.chmod(path, 0o644)
+    with pytest.raises(ValueError, match="other users"):
+        security.read_secret(path)
+    os.unlink(path)
+    os.symlink("/etc/hostname", path)
+    with pytest.raises(OSError):
+        security.read_secret(path)
+    os.unlink(path)
+    monkeypatch.setenv("SHOAL_AUTH_FILE", str(tmp_path / "missing"))
+    with pytest.raises(OSError):  # told where it is and not there: an error, not no-auth
+        security.for_address("tcp://127.0.0.1:4321")
+
+
+def test_security_never_shows_its_secret():
+    sec = Security("hunter2-hunter2")
+    assert "hunter2" not in repr(sec) and "hunter2" not in str(sec)
+    with pytest.raises(ValueError):
+        Security("")
+    with pytest.raises(ValueError):
+        Security(cert="/nonexistent.pem", key="/nonexistent.pem")
