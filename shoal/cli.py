@@ -139,9 +139,14 @@ async def _until_signalled() -> None:
     import signal
 
     loop = asyncio.get_running_loop()
-    stop = loop.create_future()
+    stop: asyncio.Future[None] = loop.create_future()
+
+    def on_signal() -> None:
+        if not stop.done():
+            stop.set_result(None)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        loop.add_signal_handler(sig, on_signal)
     await stop
 
 

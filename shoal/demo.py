@@ -128,9 +128,9 @@ def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_
             mean = float((counts * centers).sum() / total)
             print(f"map-reduce: histogram of {chunks} x {chunk_size:,} normal samples: {total:,} of "
                   f"{chunks * chunk_size:,} within +-4, mean ~ {mean:+.3f}, in {secs:.2f} s")
-            secs, ok = large_argument(client, arg_mb)
+            secs, sums_agree = large_argument(client, arg_mb)
             print(f"a {arg_mb} MB array passed to a task as its argument: column sums "
-                  f"{'agree with numpy' if ok else 'DIFFER from numpy'}, in {secs * 1e3:.0f} ms")
+                  f"{'agree with numpy' if sums_agree else 'DIFFER from numpy'}, in {secs * 1e3:.0f} ms")
             stats = client.transfer_stats()
             moved = {k: sum(s[k] for s in stats.values()) for k in ("inproc", "shm", "tcp")}
             print("values moved: " + ", ".join(f"{_fmt_bytes(v)} {name}" for name, v in

@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from .errors import GraphError
+from .protocol.messages import key_problem
 from .protocol import (
     SAME_HOST,
     Serialize,
@@ -290,30 +291,14 @@ def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
     return spec.func(*args, **kwargs)
 
 
-#: how deeply tuples may nest in a key (the wire refuses deeper nesting, see
-#: :data:`shoal.protocol.core.MAX_NESTING`)
-MAX_KEY_DEPTH = 16
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-
-
-def validate_key(key: Any, _depth: int = 0) -> Key:
+def validate_key(key: Any) -> Key:
     """Keys are str, bytes, int (64-bit), float or tuples of these, nested at most
-    :data:`MAX_KEY_DEPTH` deep; raise ``TypeError`` otherwise (``ValueError`` for an
-    int out of range or a key nested too deeply)."""
-    typ = type(key)
-    if typ in (str, bytes, float):
-        return key
-    if typ is int:
-        if not _INT_MIN <= key <= _INT_MAX:
-            raise ValueError(f"an int task key must fit in 64 bits, got one of {key.bit_length()} bits")
-        return key
-    if typ is tuple:
-        if _depth >= MAX_KEY_DEPTH:
-            raise ValueError(f"a task key may nest tuples at most {MAX_KEY_DEPTH} deep")
-        for k in key:
-            validate_key(k, _depth + 1)
-        return key
-    raise TypeError(f"a task key must be str, bytes, int, float or a tuple of these, got {_short_repr(key)}")
+    :data:`~shoal.protocol.messages.MAX_KEY_DEPTH` deep (what the wire carries as a
+    key); raise ``TypeError`` saying what is wrong otherwise."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise TypeError(f"bad task key {_short_repr(key)}: {problem}")
+    return key
 
 
 def _short_repr(obj: Any) -> str:
@@ -353,6 +338,7 @@ def _sha1() -> Any:
     return hashlib.sha1(usedforsecurity=False)
 
 
+_hasher: Callable[[], Any]
 try:  # xxh3 hashes large buffers ~13x faster than sha1 here (scatter of big arrays)
     from xxhash import xxh3_128 as _hasher
 except ImportError:  # an optional dependency (the numpy extra)
@@ -378,7 +364,8 @@ def _feed(h: Any, obj: Any, depth: int) -> None:
         h.update(f"ndarray:{obj.dtype.str}:{obj.shape}:".encode())
         import numpy as np
 
-        h.update(memoryview(np.ascontiguousarray(obj)).cast("B"))
+        # numpy's stubs give ndarray __buffer__ only on Python >= 3.12; it is a buffer on all
+        h.update(memoryview(np.ascontiguousarray(obj)).cast("B"))  # type: ignore[arg-type]
     elif getattr(typ, "__shoal_future__", False):
         h.update(f"future:{obj.key!r};".encode())
     elif callable(obj) and hasattr(obj, "__module__") and hasattr(obj, "__qualname__") and "<" not in obj.__qualname__:

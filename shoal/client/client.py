@@ -28,7 +28,8 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
-from ..errors import CommError, LostDataError
+from ..errors import CommError, LostDataError, ProtocolError
+from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
 from ..taskspec import RunSpec, key_name, tokenize, unique_token, validate_key
@@ -66,7 +67,7 @@ class Client(DaskCollections):
         #: the cluster's credentials (None: the cluster's, or found for the address)
         self.security = security
         self._address_arg = address
-        self._cluster_kwargs = {
+        self._cluster_kwargs: dict[str, Any] = {
             "n_workers": n_workers, "threads_per_worker": threads_per_worker, "processes": processes,
         }
         self.asynchronous = asynchronous
@@ -126,7 +127,7 @@ class Client(DaskCollections):
         elif hasattr(address, "scheduler_address"):
             self.cluster = address
             address = getattr(address, "local_address", "") or address.scheduler_address
-        if self.cluster is not None and getattr(self.cluster, "local_address", ""):
+        if self.cluster is not None and getattr(self.cluster, "local_address", None):
             # the scheduler lives in this process: talk to it by reference
             address = self.cluster.local_address
         if not isinstance(address, str):
@@ -370,11 +371,17 @@ class Client(DaskCollections):
         try:
             while True:
                 for msg in await read_batch(comm):
+                    # checked completely: a scheduler that sends what is not a report
+                    # is cut off (below), rather than leave a future waiting
+                    decode(SCHEDULER_TO_CLIENT, msg, "the scheduler: ")
                     try:
                         self._handle_report(msg)
                     except Exception:
                         logger.exception("could not handle %r", msg)
-        except CommError:
+        except (CommError, ProtocolError) as exc:
+            if isinstance(exc, ProtocolError):
+                logger.error("%s; closing the connection", exc)
+                comm.abort()
             if self.status == "running":
                 logger.warning("lost the connection to the scheduler at %s", self.scheduler_address)
                 self.status = "disconnected"  # later submissions fail at once
@@ -585,9 +592,9 @@ class Client(DaskCollections):
                 values.update(res)
                 for k in keys:
                     if k not in res:
-                        st = self._states.get(k)
-                        if st is not None and st.workers and st.workers[0] == w:
-                            st.workers = st.workers[1:]
+                        state = self._states.get(k)
+                        if state is not None and state.workers and state.workers[0] == w:
+                            state.workers = state.workers[1:]  # w did not have it: try the next
             missing = [st for st in states if st.status == "finished" and st.key not in values]
             if not missing:
                 break

@@ -6,16 +6,24 @@ lowered by dask on the client, as ``dask.compute`` does, then submitted as one g
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import graphs
 from .future import Future
+
+if TYPE_CHECKING:
+    from .client import Client
 
 __all__ = ["DaskCollections"]
 
 
 class DaskCollections:
     """The dask-facing methods of :class:`~shoal.Client` (a mixin)."""
+
+    @property
+    def _client(self) -> Client:
+        # only Client mixes this class in: self is always one
+        return cast("Client", self)
 
     # provided by the client
     def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
@@ -52,7 +60,7 @@ class DaskCollections:
             graph_tasks, _ = graphs.graph_to_tasks(expr, keys)
             tasks.extend(graph_tasks)
             wanted.append(keys[0])
-            out.append(Future(keys[0], self))
+            out.append(Future(keys[0], self._client))
         if tasks:
             self._submit_tasks(tasks, wanted)
         return out[0] if single else type(collections)(out)
@@ -76,7 +84,7 @@ class DaskCollections:
             per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
         all_keys = [k for ks in per_coll for k in ks]
         tasks, _ = graphs.graph_to_tasks(expr, all_keys)
-        futures = {k: Future(k, self) for k in all_keys}
+        futures = {k: Future(k, self._client) for k in all_keys}
         self._submit_tasks(tasks, all_keys)
         rebuilt = iter(
             rebuild({k: futures[k] for k in ks}, *state)
@@ -94,7 +102,7 @@ class DaskCollections:
 
     async def _get(self, dsk: Any, keys: Any) -> Any:
         tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
-        futures = [Future(k, self) for k in flat_keys]
+        futures = [Future(k, self._client) for k in flat_keys]
         self._submit_tasks(tasks, flat_keys)
         try:
             values = await self._gather_async(futures)

@@ -45,13 +45,14 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    """``(tasks for update-graph, flat list of wanted keys)``.
+def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(tasks for update-graph, flat list of wanted keys)`` of ``dsk``, a mapping of
+    keys to tasks or an object with ``__dask_graph__`` (a dask expression).
 
     Values that are futures (of a persisted collection) stand for keys already on the
-    cluster: no task is made for them and tasks may depend on them. Raises ``KeyError``
-    for a wanted key not in the graph and :class:`GraphError` for a reference to a key
-    the graph does not define.
+    cluster: no task is made for them and tasks may depend on them. Raises ``TypeError``
+    for a ``dsk`` that is neither, ``KeyError`` for a wanted key not in the graph and
+    :class:`GraphError` for a reference to a key the graph does not define.
     """
     if hasattr(dsk, "__dask_graph__"):
         dsk = dsk.__dask_graph__()
@@ -86,7 +87,7 @@ def graph_to_tasks(dsk: Mapping[Hashable, Any], keys: Any) -> tuple[list[dict[st
     return tasks, wanted
 
 
-def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Hashable, Any]) -> None:
+def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any]) -> None:
     """Sort ``tasks`` into dask's static order (``dask.order``): the scheduler runs
     ready tasks in submission order, and this one finishes each part of a reduction
     before starting the next, so intermediates are few and freed early."""

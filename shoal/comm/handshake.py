@@ -22,12 +22,22 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
 from ..errors import AuthenticationError, CommError, HandshakeError, ProtocolError, ShoalError
 from ..protocol import PROTOCOL_VERSION, REMOTE, SAME_HOST
+from ..protocol.messages import (
+    HANDSHAKE,
+    HandshakeAuthMsg,
+    HandshakeMsg,
+    HandshakeRefusedMsg,
+    HandshakeShmMsg,
+    Msg,
+    decode,
+    to_wire,
+)
 from . import shm
 from .core import host_identity
 from .framing import STRANGER_MAX_BYTES
@@ -132,66 +142,60 @@ def _direction(role: bytes) -> str:
 async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout: float) -> tuple[str, str] | None:
     secret = security.secret if security is not None else None
     nonce = secrets.token_bytes(NONCE_BYTES)
-    await comm.write({"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None})
-    hello = await _read(comm, "handshake", timeout)
-    version = hello.get("protocol")
-    if version != PROTOCOL_VERSION:
-        raise _Refused(f"the peer speaks shoal protocol version {version!r}; this end speaks version {PROTOCOL_VERSION}")
-    theirs = hello.get("nonce")
-    if not isinstance(theirs, bytes) or len(theirs) != NONCE_BYTES:
+    await comm.write(to_wire(HandshakeMsg(PROTOCOL_VERSION, nonce, auth=secret is not None)))
+    hello = await _read(comm, HandshakeMsg, timeout)
+    theirs = hello.nonce
+    if len(theirs) != NONCE_BYTES:
         raise _Refused(f"malformed handshake: 'nonce' must be {NONCE_BYTES} bytes")
-    if secret is not None and hello.get("auth") is not True:
+    if secret is not None and not hello.auth:
         raise _Refused(f"this end requires authentication and the peer has no secret for this cluster; {_HOW_TO_PASS}",
                        auth=True)
-    if secret is None and hello.get("auth") is True:
+    if secret is None and hello.auth:
         raise _Refused(f"the peer requires authentication and this process has no secret for it; {_HOW_TO_PASS}",
                        auth=True)
     n_connector, n_acceptor = (nonce, theirs) if role == CONNECTOR else (theirs, nonce)
     other = ACCEPTOR if role == CONNECTOR else CONNECTOR
     probe = shm.probe()
-    step2: dict[str, Any] = {
-        "op": "handshake-auth",
-        "proof": None if secret is None else proof(secret, role, n_connector, n_acceptor),
-        "pid": os.getpid(),
-        "host": host_identity(),
-    }
-    if probe is not None:
-        step2["shm_probe"] = list(probe)
+    mine = HandshakeAuthMsg(
+        proof=None if secret is None else proof(secret, role, n_connector, n_acceptor),
+        pid=os.getpid(), host=host_identity(), shm_probe=None if probe is None else list(probe),
+    )
     try:
-        await comm.write(step2)
-        info = await _read(comm, "handshake-auth", timeout)
-        if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.get("proof")):
+        await comm.write(to_wire(mine))
+        info = await _read(comm, HandshakeAuthMsg, timeout)
+        if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.proof):
             raise _Refused("authentication failed: the peer does not know this cluster's secret", auth=True)
         # the peer is one of ours from here on
-        offered = info.get("shm_probe")
-        can_map = (
-            isinstance(offered, list) and len(offered) == 2 and shm.check_probe(*offered)
-        )
-        await comm.write({"op": "handshake-shm", "can_map": can_map})
-        answer = await _read(comm, "handshake-shm", timeout)
+        offered = info.shm_probe
+        can_map = offered is not None and len(offered) == 2 and shm.check_probe(*offered)
+        await comm.write(to_wire(HandshakeShmMsg(can_map)))
+        answer = await _read(comm, HandshakeShmMsg, timeout)
     except BaseException:
         if probe is not None:
             shm.unlink(probe[0])
         raise
-    pid = info.get("pid")
     comm.peer_info = {
         "op": "handshake",
-        "protocol": version,
-        "pid": pid if type(pid) is int else None,
-        "host": info.get("host") if isinstance(info.get("host"), str) else "",
+        "protocol": hello.protocol,
+        "pid": info.pid,
+        "host": info.host,
         "authenticated": secret is not None,
-        "shm": {"peer_maps_ours": answer.get("can_map") is True, "we_map_theirs": can_map},
+        "shm": {"peer_maps_ours": answer.can_map, "we_map_theirs": can_map},
     }
-    comm.destination = SAME_HOST if answer.get("can_map") is True else REMOTE
+    comm.destination = SAME_HOST if answer.can_map else REMOTE
     return probe
 
 
-async def _read(comm: TCPComm, op: str, timeout: float) -> dict[str, Any]:
+_M = TypeVar("_M", bound=Msg)
+
+
+async def _read(comm: TCPComm, typ: type[_M], timeout: float) -> _M:
     frames = await asyncio.wait_for(comm._protocol.next_frames(), timeout)
     try:
         msg = decode_stranger(frames)
     except ProtocolError as exc:
         raise _Refused(str(exc)) from None
+    op: str = typ.__struct_config__.tag  # type: ignore[assignment]
     got = msg["op"]
     if got == "handshake-refused":
         reason = msg.get("reason")
@@ -202,14 +206,21 @@ async def _read(comm: TCPComm, op: str, timeout: float) -> dict[str, Any]:
         if op == "handshake":
             raise _Refused(f"the peer did not start with a shoal handshake (got op {got!r:.50})")
         raise _Refused(f"expected {op!r} in the handshake, got {got!r:.50}")
-    return msg
+    if op == "handshake" and msg.get("protocol") != PROTOCOL_VERSION:
+        # before anything else: an older peer's message has other fields
+        raise _Refused(f"the peer speaks shoal protocol version {msg.get('protocol')!r:.20}; "
+                       f"this end speaks version {PROTOCOL_VERSION}")
+    try:
+        return decode(HANDSHAKE, msg)  # type: ignore[return-value]
+    except ProtocolError as exc:
+        raise _Refused(str(exc)) from None
 
 
 async def _refuse(comm: TCPComm, reason: str) -> None:
     """Tell the peer why, then close (what is written is flushed first)."""
     try:
         await asyncio.wait_for(
-            comm.write({"op": "handshake-refused", "reason": reason[:1000], "protocol": PROTOCOL_VERSION}), 1.0
+            comm.write(to_wire(HandshakeRefusedMsg(reason[:1000], PROTOCOL_VERSION))), 1.0
         )
     except (CommError, asyncio.TimeoutError, OSError):
         pass

@@ -310,6 +310,7 @@ def _reduce_memoryview(mv: memoryview) -> tuple[Any, tuple[Any, ...]]:
     # a copy: a PickleBuffer exporting from a memoryview can crash CPython's cyclic GC
     # (tp_clear of a memoryview that still has exports) when both become garbage
     data = pickle.PickleBuffer(mv.tobytes())
+    assert mv.shape is not None  # a memoryview's shape is always a tuple (typeshed allows None)
     return _rebuild_memoryview, (data, mv.format, list(mv.shape), mv.readonly)
 
 
@@ -323,9 +324,11 @@ def _rebuild_memoryview(data: Any, fmt: str, shape: list[int], readonly: bool) -
 def _memoryview_problem(mv: memoryview) -> str | None:
     """Why a receiver could not rebuild ``mv`` from its bytes with ``cast``, or None."""
     try:
-        memoryview(b"").cast("B").cast(mv.format)
+        # typeshed lists literal formats only (and omits 'n', 'N'); this probes any
+        memoryview(b"").cast("B").cast(mv.format)  # type: ignore[call-overload]
     except (ValueError, TypeError):
         return f"its format {mv.format!r} is not a native single-item format"
+    assert mv.shape is not None  # a memoryview's shape is always a tuple (typeshed allows None)
     if mv.ndim > 1 and 0 in mv.shape:
         return f"its shape {mv.shape} is empty along a dimension"
     return None
@@ -335,8 +338,9 @@ def _cast_back(data: Any, fmt: str, shape: Sequence[int]) -> memoryview:
     """A memoryview of ``format``/``shape`` on the bytes of ``data`` (no copy)."""
     mv = memoryview(data).cast("B")
     if len(shape) == 1:  # also right for empty views, which cast(fmt, shape) refuses
-        return mv if fmt == "B" else mv.cast(fmt)
-    return mv.cast(fmt, list(shape))
+        # the ignores: typeshed's cast takes literal formats only, fmt comes from the sender
+        return mv if fmt == "B" else mv.cast(fmt)  # type: ignore[call-overload]
+    return mv.cast(fmt, list(shape))  # type: ignore[call-overload]
 
 
 class _CloudPickler(cloudpickle.Pickler):

@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import config
 from ..comm import Comm
-from ..errors import CommClosedError, CommError, DeserializationError
+from ..errors import CommClosedError, CommError, DeserializationError, ProtocolError
 
 __all__ = ["BatchedSend", "read_batch", "send_heartbeats"]
 
@@ -183,16 +183,15 @@ class BatchedSend:
 
 async def read_batch(comm: Comm) -> list[Any]:
     """The next batch of messages a :class:`BatchedSend` sent on ``comm`` (a lone
-    message comes back as a list of one). A batch that cannot be decoded is logged and
-    skipped: one bad message must not stop a stream. Raises
-    :class:`~shoal.errors.CommError` when the stream ends."""
-    while True:
-        try:
-            batch = await comm.read()
-        except DeserializationError as exc:
-            logger.error("dropped a batch from %s that cannot be read: %s", comm.peer_address, exc)
-            continue
-        return batch if isinstance(batch, list) else [batch]
+    message comes back as a list of one). Raises :class:`~shoal.errors.CommError` when
+    the stream ends, and :class:`~shoal.errors.ProtocolError` for a batch that cannot be
+    decoded (stream readers keep values opaque, so only a broken or hostile peer sends
+    one; dropping it silently would lose the ops in it)."""
+    try:
+        batch = await comm.read()
+    except DeserializationError as exc:
+        raise ProtocolError(f"a batch from {comm.peer_address} cannot be decoded: {exc}") from exc
+    return batch if isinstance(batch, list) else [batch]
 
 
 async def send_heartbeats(stream: BatchedSend, interval: float) -> None:

@@ -23,6 +23,7 @@ from .. import config
 from ..comm import Comm, Listener, listen
 from ..comm.security import Security
 from ..errors import (
+    ProtocolError,
     CommBrokenError,
     CommClosedError,
     CommError,
@@ -31,6 +32,7 @@ from ..errors import (
     SerializationError,
 )
 from ..protocol import Serialize, Serialized, to_serialize
+from ..protocol.messages import Msg, decode
 
 __all__ = ["Server", "error_message", "raise_error_message", "request", "result_of", "send_recv"]
 
@@ -106,8 +108,11 @@ class Server:
         deserialize: bool = True,
         name: str = "",
         security: Security | None = None,
+        schemas: dict[str, type[Msg]] | None = None,
     ):
         self.handlers = dict(handlers)
+        #: op -> the struct its requests must decode as (see :mod:`shoal.protocol.messages`)
+        self.schemas = dict(schemas or {})
         #: who may connect (see :func:`shoal.comm.listen`)
         self.security = security
         self.stream_handlers = dict(stream_handlers or {})
@@ -158,7 +163,24 @@ class Server:
                 )
                 comm.abort()
                 return
-            op = msg.pop("op")
+            op = msg["op"]
+            if op in self.schemas:
+                # the request's fields are checked here, completely; a malformed one
+                # is answered with the error (the connection serves on)
+                try:
+                    msg = _fields(decode(self.schemas, msg, f"{self.name}: "))
+                except ProtocolError as exc:
+                    logger.error("%s: bad request from %s: %s", self.name, comm.peer_address, exc)
+                    if msg.get("reply", True) is False or not await self._reply(
+                        comm, error_message(exc, with_exception=False)
+                    ):
+                        return
+                    if op in self.stream_handlers:
+                        comm.abort()  # a stream that could not start
+                        return
+                    continue
+            else:
+                msg.pop("op")
             reply = msg.pop("reply", True)
             if op in self.stream_handlers:
                 await self._call(self.stream_handlers[op], comm, msg, op)
@@ -177,9 +199,10 @@ class Server:
                     await self._reply(comm, error_message(err))
                 comm.abort()
                 return
+            response: dict[str, Any] | None  # None between requests (below)
             try:
                 result = await self._call(handler, comm, msg, op)
-                response: dict[str, Any] = {"status": "OK", "result": result}
+                response = {"status": "OK", "result": result}
             except (CommClosedError, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -226,6 +249,11 @@ class Server:
         for comm in list(self.comms):
             comm.abort()
         self.comms.clear()
+
+
+def _fields(msg: Msg) -> dict[str, Any]:
+    """A checked request's fields, for its handler (keyword arguments)."""
+    return {name: getattr(msg, name) for name in msg.__struct_fields__}
 
 
 def _accepts(handler: HandlerFn, msg: dict[str, Any]) -> bool:

@@ -23,7 +23,30 @@ from .. import config
 from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
-from ..errors import CommError
+from ..errors import CommError, ProtocolError
+from ..protocol.messages import (
+    CLIENT_TO_SCHEDULER,
+    SCHEDULER_REQUESTS,
+    WORKER_TO_SCHEDULER,
+    CancelKeysMsg,
+    CloseClientMsg,
+    CloseMsg,
+    ComputeTaskMsg,
+    FreeKeysMsg,
+    HeartbeatMsg,
+    MissingDataMsg,
+    Msg,
+    ReleaseKeysMsg,
+    RescheduleMsg,
+    TaskErredMsg,
+    TaskFinishedMsg,
+    UnregisterMsg,
+    UpdateGraphMsg,
+    WorkerTaskErredMsg,
+    decode,
+    key_problem,
+    to_wire,
+)
 from ..rpc import BatchedSend, Server, read_batch
 from .state import (
     AddClientEvent,
@@ -79,6 +102,7 @@ class Scheduler:
             deserialize=False,
             name=name,
             security=self.security,
+            schemas=SCHEDULER_REQUESTS,
         )
         self.worker_streams: dict[str, BatchedSend] = {}
         self.worker_comms: dict[str, Comm] = {}
@@ -165,7 +189,7 @@ class Scheduler:
         """Ask every worker to close (the cluster is shutting down)."""
         for stream in list(self.worker_streams.values()):
             try:
-                stream.send({"op": "close"})
+                stream.send(to_wire(CloseMsg()))
             except CommError:
                 pass
 
@@ -189,17 +213,20 @@ class Scheduler:
         logger.info("worker %s joined (%d threads)", address, nthreads)
         self._notify_workers_changed()
         clean = False
+        where = f"worker {address}: "
         try:
-            while True:
-                for msg in self._seen(address, await read_batch(comm)):
-                    if isinstance(msg, dict) and msg.get("op") == "unregister":
+            while not clean:
+                for raw in self._seen(address, await read_batch(comm)):
+                    # a malformed message cuts the worker off (it is removed, its tasks
+                    # go elsewhere): nothing it sends is dropped silently
+                    msg = decode(WORKER_TO_SCHEDULER, raw, where)
+                    if type(msg) is UnregisterMsg:
                         clean = True
-                    try:
+                    else:
                         self._worker_msg(address, msg)
-                    except (KeyError, TypeError, ValueError) as exc:
-                        logger.error("worker %s sent a malformed message (%s): %.200r", address, exc, msg)
-                if clean:
-                    break
+        except ProtocolError as exc:
+            logger.error("%s; closing its connection", exc)
+            comm.abort()
         except CommError:
             pass
         finally:
@@ -241,27 +268,20 @@ class Scheduler:
         except asyncio.TimeoutError:
             raise TimeoutError(f"{len(self.state.workers)} of {n} workers arrived within {timeout}s") from None
 
-    def _worker_msg(self, address: str, msg: Any) -> None:
-        if not isinstance(msg, dict):
-            logger.error("worker %s sent a non-message %r", address, msg)
-            return
-        op = msg.get("op")
-        sid = self._stimulus(str(op))
-        if op == "task-finished":
-            self._apply(TaskFinishedEvent(sid, address, msg["key"], int(msg.get("nbytes") or 0),
-                                          float(msg.get("duration") or 0.0), msg.get("shm"),
-                                          msg.get("value")))
-        elif op == "task-erred":
-            self._apply(TaskErredEvent(sid, address, msg["key"], msg.get("exception"),
-                                       msg.get("traceback"), str(msg.get("text", ""))))
-        elif op == "missing-data":
-            self._apply(MissingDataEvent(sid, msg["key"], msg["errant_worker"]))
-        elif op == "reschedule":
-            self._apply(RescheduleEvent(sid, address, msg["key"]))
-        elif op in ("heartbeat", "unregister"):
-            pass
-        else:
-            logger.error("worker %s sent unknown op %r", address, op)
+    def _worker_msg(self, address: str, msg: Msg) -> None:
+        sid = self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
+        match msg:
+            case TaskFinishedMsg():
+                self._apply(TaskFinishedEvent(sid, address, msg.key, msg.nbytes or 0, msg.duration or 0.0,
+                                              msg.shm, msg.value))
+            case WorkerTaskErredMsg():
+                self._apply(TaskErredEvent(sid, address, msg.key, msg.exception, msg.traceback, msg.text))
+            case MissingDataMsg():
+                self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker))
+            case RescheduleMsg():
+                self._apply(RescheduleEvent(sid, address, msg.key))
+            case HeartbeatMsg():
+                pass  # a sign of life, noted for the whole batch (_seen)
 
     async def add_client(self, comm: Comm, client: str, **_: Any) -> None:
         await comm.write({"status": "OK", "address": self.address})
@@ -276,28 +296,36 @@ class Scheduler:
         stream.start(comm)
         self.client_streams[client] = stream
         self._apply(AddClientEvent(self._stimulus("add-client"), client))
+        where = f"client {client}: "
+        msg: Msg | None  # None while waiting (below)
         try:
             while True:
                 closing = False
-                for msg in await read_batch(comm):
-                    if isinstance(msg, dict) and msg.get("op") == "close-client":
-                        closing = True
-                        continue
+                for raw in await read_batch(comm):
                     try:
+                        msg = decode(CLIENT_TO_SCHEDULER, raw, where)
+                    except ProtocolError as exc:
+                        if not self._unreadable_graph(client, raw, exc):
+                            raise
+                        continue
+                    if type(msg) is CloseClientMsg:
+                        closing = True
+                    else:
                         self._client_msg(client, msg)
-                    except (KeyError, TypeError, ValueError) as exc:
-                        logger.error("client %s sent a malformed message (%s): %.200r", client, exc, msg)
                 # hold no message while waiting for the next: its payloads (and their
                 # shared memory) must go when their tasks are forgotten
-                msg = None
+                raw = msg = None
                 if same_host:
                     shm.work_off()  # arguments of tasks forgotten just now go back at once
                 if closing:
                     break
+        except ProtocolError as exc:
+            logger.error("%s; closing its connection", exc)
+            comm.abort()
         except CommError:
             pass
         finally:
-            msg = None
+            raw = msg = None
             self.client_streams.pop(client, None)
             if same_host:
                 shm_handover.return_to.discard(pid)
@@ -308,48 +336,35 @@ class Scheduler:
                 shm.work_off()
                 await shm.sweep_when_gone(pid)
 
-    def _client_msg(self, client: str, msg: Any) -> None:
-        if not isinstance(msg, dict):
-            logger.error("client %s sent a non-message %r", client, msg)
-            return
-        op = msg.get("op")
-        sid = self._stimulus(str(op))
-        if op == "update-graph":
-            try:
-                for t in msg["tasks"]:
-                    hash(t["key"])
-                    for d in t.get("deps") or ():
-                        hash(d)
-                for k in msg.get("wanted") or ():
-                    hash(k)
-                tasks = [
-                    NewTask(t["key"], t.get("payload"), list(t.get("deps") or ()),
-                            t.get("workers"), int(t.get("retries") or 0))
-                    for t in msg["tasks"]
-                ]
-            except (KeyError, TypeError, ValueError) as exc:
-                logger.error("client %s sent a malformed graph: %r", client, exc)
-                wanted = msg.get("wanted")
-                for key in wanted if isinstance(wanted, list) else []:
-                    try:
-                        hash(key)
-                    except TypeError:
-                        continue
-                    self._do(ClientMsg(sid, client, {
-                        "op": "task-erred", "key": key, "exception": None, "traceback": None,
-                        "text": f"GraphError: the scheduler could not read this graph: {exc!r}",
-                        "kind": "GraphError", "blame": key,
-                    }))
-                return
-            self._apply(UpdateGraphEvent(sid, client, tasks, list(msg.get("wanted") or ())))
-        elif op == "release-keys":
-            self._apply(ReleaseKeysEvent(sid, client, list(msg.get("keys") or ())))
-        elif op == "cancel-keys":
-            self._apply(CancelKeysEvent(sid, client, list(msg.get("keys") or ())))
-        elif op == "heartbeat":
-            pass
-        else:
-            logger.error("client %s sent unknown op %r", client, op)
+    def _client_msg(self, client: str, msg: Msg) -> None:
+        sid = self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
+        match msg:
+            case UpdateGraphMsg():
+                tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries) for t in msg.tasks]
+                self._apply(UpdateGraphEvent(sid, client, tasks, msg.wanted))
+            case ReleaseKeysMsg():
+                self._apply(ReleaseKeysEvent(sid, client, msg.keys))
+            case CancelKeysMsg():
+                self._apply(CancelKeysEvent(sid, client, msg.keys))
+            case HeartbeatMsg():
+                pass
+
+    def _unreadable_graph(self, client: str, raw: Any, exc: ProtocolError) -> bool:
+        """A graph the scheduler cannot read errs its wanted keys (those that are keys)
+        with GraphError, so that the client's futures finish; returns False for any
+        other malformed message."""
+        if type(raw) is not dict or raw.get("op") != "update-graph":
+            return False
+        logger.error("%s", exc)
+        wanted = raw.get("wanted")
+        sid = self._stimulus("update-graph")
+        for key in wanted if type(wanted) is list else []:
+            if key_problem(key) is None:
+                self._do(ClientMsg(sid, client, to_wire(TaskErredMsg(
+                    key, text=f"GraphError: the scheduler could not read this graph: {exc}",
+                    kind="GraphError", blame=key,
+                ))))
+        return True
 
     # -- instructions
 
@@ -362,23 +377,18 @@ class Scheduler:
                 free.setdefault(inst.worker, []).extend(inst.keys)
                 continue
             if isinstance(inst, ComputeTask) and inst.worker in free:
-                self._send_worker(inst.worker, {"op": "free-keys", "keys": free.pop(inst.worker)}, lazy=True)
+                self._send_worker(inst.worker, to_wire(FreeKeysMsg(free.pop(inst.worker))), lazy=True)
             self._do(inst)
         for worker, keys in free.items():
             # releases need no write of their own: they go with the next task or soon after
-            self._send_worker(worker, {"op": "free-keys", "keys": keys}, lazy=True)
+            self._send_worker(worker, to_wire(FreeKeysMsg(keys)), lazy=True)
 
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, ComputeTask):
-            msg: dict[str, Any] = {
-                "op": "compute-task", "key": inst.key, "payload": inst.payload,
-                "who_has": inst.who_has, "nbytes": inst.nbytes, "priority": list(inst.priority),
-            }
-            if inst.shm:
-                msg["shm"] = inst.shm
-            if inst.report:
-                msg["report"] = True
-            self._send_worker(inst.worker, msg)
+            self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
+                inst.key, inst.payload, inst.who_has, inst.nbytes, list(inst.priority),
+                shm=inst.shm or None, report=inst.report,
+            )))
         elif isinstance(inst, CloseWorkerStream):
             logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
                            inst.worker, inst.silent_for, self.state.worker_ttl)
@@ -387,7 +397,7 @@ class Scheduler:
                 # its handler then sees the connection end, as for a worker that died
                 stream.abort()
         elif isinstance(inst, FreeKeys):
-            self._send_worker(inst.worker, {"op": "free-keys", "keys": inst.keys}, lazy=True)
+            self._send_worker(inst.worker, to_wire(FreeKeysMsg(inst.keys)), lazy=True)
         elif isinstance(inst, ClientMsg):
             stream = self.client_streams.get(inst.client)
             if stream is not None:

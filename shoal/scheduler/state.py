@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+from ..protocol.messages import CancelledKeyMsg, KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from .events import (
     AddClientEvent,
     AddWorkerEvent,
@@ -288,12 +289,11 @@ class SchedulerState:
             old = self.tasks.get(key)
             if old is None:
                 # neither in this graph nor known: say so rather than leave a future hanging
-                self._emit(ClientMsg(self._stimulus, ev.client, {
-                    "op": "task-erred", "key": key, "exception": None, "traceback": None,
-                    "text": f"KeyError: {key!r} is neither in the submitted graph nor known "
-                            "to the scheduler (was it released?)",
-                    "kind": "KeyError", "blame": key,
-                }))
+                self._emit(ClientMsg(self._stimulus, ev.client, to_wire(TaskErredMsg(
+                    key, text=f"KeyError: {key!r} is neither in the submitted graph nor known "
+                              "to the scheduler (was it released?)",
+                    kind="KeyError", blame=key,
+                ))))
                 continue
             if key in new:
                 continue
@@ -307,10 +307,9 @@ class SchedulerState:
 
     def _refuse_graph(self, ev: UpdateGraphEvent, reason: str) -> None:
         for key in ev.wanted:
-            self._emit(ClientMsg(self._stimulus, ev.client, {
-                "op": "task-erred", "key": key, "exception": None, "traceback": None,
-                "text": f"GraphError: {reason}", "kind": "GraphError", "blame": key,
-            }))
+            self._emit(ClientMsg(self._stimulus, ev.client, to_wire(TaskErredMsg(
+                key, text=f"GraphError: {reason}", kind="GraphError", blame=key,
+            ))))
 
     def _task_finished(self, ev: TaskFinishedEvent) -> None:
         ts = self.tasks.get(ev.key)
@@ -364,7 +363,7 @@ class SchedulerState:
             for dts in [ts] if ts.state == "memory" else [ts, *dependents_closure(ts)]:
                 if ev.client in dts.who_wants:
                     dts.who_wants.discard(ev.client)
-                    self._emit(ClientMsg(self._stimulus, ev.client, {"op": "cancelled-key", "key": dts.key}))
+                    self._emit(ClientMsg(self._stimulus, ev.client, to_wire(CancelledKeyMsg(dts.key))))
                 if not dts.who_wants:
                     # tasks other clients still need keep their waiters: "forgotten" skips them
                     recs[dts] = "forgotten"
@@ -657,24 +656,16 @@ class SchedulerState:
 
     def _report_error(self, ts: TaskState, only: str | None = None) -> None:
         blame = ts.exception_blame or ts
-        self._to_clients(ts, {
-            "op": "task-erred",
-            "key": ts.key,
-            "exception": ts.exception,
-            "traceback": ts.traceback,
-            "text": ts.exception_text,
-            "kind": blame.error_kind or ts.error_kind,
-            "blame": blame.key,
-        }, only=only)
+        self._to_clients(ts, to_wire(TaskErredMsg(
+            ts.key, ts.exception, ts.traceback, ts.exception_text,
+            kind=blame.error_kind or ts.error_kind, blame=blame.key,
+        )), only=only)
 
     def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        msg = {"op": "key-in-memory", "key": ts.key, "nbytes": ts.nbytes,
-               "workers": sorted(ws.address for ws in ts.who_has)}
-        if self._shm_valid(ts):
-            msg["shm"] = ts.shm
-        if ts.inline is not None:
-            msg["value"] = ts.inline
-        return msg
+        return to_wire(KeyInMemoryMsg(
+            ts.key, ts.nbytes, sorted(ws.address for ws in ts.who_has),
+            shm=ts.shm if self._shm_valid(ts) else None, value=ts.inline,
+        ))
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
         ts.inline = None
@@ -691,7 +682,7 @@ class SchedulerState:
             # gives the task back (reschedule) if it cannot get it
         if ts.waiters or ts.who_wants:
             for client in sorted(ts.who_wants):
-                self._emit(ClientMsg(self._stimulus, client, {"op": "lost-key", "key": ts.key}))
+                self._emit(ClientMsg(self._stimulus, client, to_wire(LostKeyMsg(ts.key))))
             recs[ts] = "waiting"
         else:
             recs[ts] = "forgotten"

@@ -22,11 +22,12 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, SerializationError
+from ..errors import CommError, ProtocolError, SerializationError
 from .. import config
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats
+from ..protocol.messages import SCHEDULER_TO_WORKER, WORKER_REQUESTS, CloseMsg, ComputeTaskMsg, FreeKeysMsg, Msg, decode
 from ..taskspec import RunSpec, run
 from .store import WorkerStore
 from .state import (
@@ -76,6 +77,7 @@ class Worker:
                 "transfer-stats": self.transfer_stats,
             },
             name=f"worker {name}",
+            schemas=WORKER_REQUESTS,
         )
         self.state: WorkerState | None = None
         self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix=f"shoal-task{('-' + name) if name else ''}",
@@ -166,37 +168,35 @@ class Worker:
     # -- the scheduler stream
 
     async def _read_scheduler(self, comm: Comm) -> None:
+        # None while waiting (below)
+        events: list[ComputeTaskEvent | FreeKeysEvent] | None
+        msg: Msg | None
         try:
             while True:
                 events = []
-                for msg in await read_batch(comm):
-                    op = msg.get("op") if isinstance(msg, dict) else None
-                    try:
-                        if op == "compute-task":
-                            self._count_payload(msg.get("payload"))
+                for raw in await read_batch(comm):
+                    msg = decode(SCHEDULER_TO_WORKER, raw, "the scheduler: ")
+                    match msg:
+                        case ComputeTaskMsg():
+                            self._count_payload(msg.payload)
                             events.append(ComputeTaskEvent(
-                                self._stimulus("compute"), msg["key"], msg.get("payload"),
-                                dict(msg.get("who_has") or {}), dict(msg.get("nbytes") or {}),
-                                tuple(msg.get("priority") or (0,)),
-                                dict(msg.get("shm") or {}),
-                                bool(msg.get("report")),
+                                self._stimulus("compute"), msg.key, msg.payload, msg.who_has, msg.nbytes,
+                                tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
                             ))
-                        elif op == "free-keys":
-                            events.append(FreeKeysEvent(self._stimulus("free"), list(msg.get("keys") or ())))
-                        elif op == "close":
+                        case FreeKeysMsg():
+                            events.append(FreeKeysEvent(self._stimulus("free"), msg.keys))
+                        case CloseMsg():
                             self._apply_logged(events)
                             await self.close(report=False)
                             return
-                        else:
-                            logger.error("unknown op from the scheduler: %.200r", msg)
-                    except (KeyError, TypeError, ValueError) as exc:
-                        logger.error("malformed message from the scheduler (%s): %.200r", exc, msg)
                 self._apply_logged(events)
                 # hold no message (nor a task's payload) while waiting for the next
-                events = msg = None
+                events = raw = msg = None
                 if self.use_shm:
                     shm.work_off()  # segments of values freed just now go back to the pool
-        except CommError:
+        except (CommError, ProtocolError) as exc:
+            if isinstance(exc, ProtocolError):
+                logger.error("%s; leaving the cluster", exc)
             if self.status == "running":
                 logger.warning("lost the scheduler connection; shutting down")
                 if self.use_shm:
@@ -260,7 +260,7 @@ class Worker:
         report = ts.report
 
         def work() -> None:
-            segment = None
+            segment: shm.Segment | None = None
             if ts.state != "executing":
                 # released while it waited for a thread: report at once, run nothing
                 event: Any = ExecuteFailureEvent(f"task-skipped-{key}", key, None, "", "released before it ran")
@@ -287,9 +287,9 @@ class Worker:
                 )
             else:
                 nbytes = sizeof(value)
-                segment = self._place(value) if place else None
-                if segment is not None:
-                    segment, value = segment
+                placed = self._place(value) if place else None
+                if placed is not None:
+                    segment, value = placed
                 inline = _inline(value, nbytes, destination) if report else None
                 event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, nbytes, duration,
                                             None if segment is None else segment.info, inline)
@@ -332,7 +332,7 @@ class Worker:
 
     # -- rpc handlers
 
-    def _place(self, value: Any) -> tuple[Any, Any] | None:
+    def _place(self, value: Any) -> tuple[shm.Segment, Any] | None:
         """Put a large result in shared memory (in the task's thread, before it is
         reported, so that same-host peers never need this worker to serve it)."""
         try:
