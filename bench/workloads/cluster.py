@@ -44,6 +44,8 @@ from typing import Any
 from ..registry import Workload
 
 SYSTEMS = ("shoal", "dask", "ray")
+#: the same workloads on shoal over tls:// (what encryption costs)
+TLS_SYSTEMS = (*SYSTEMS, "shoal-tls")
 _perf = time.perf_counter
 
 
@@ -180,11 +182,16 @@ class FuturesSession(Session):
 class ShoalSession(FuturesSession):
     system = "shoal"
 
-    def __init__(self, processes: bool = True):
+    def __init__(self, processes: bool = True, tls: bool = False):
         import shoal
 
         self.module = shoal
-        self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1")
+        if tls:
+            self.system = "shoal-tls"
+        # shoal-tls: the same cluster over tls:// (mutual TLS with a throw-away CA)
+        security = shoal.Security.temporary() if tls else None
+        self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1",
+                                          security=security)
         self.client: Any = None
         self.workers = []
         try:
@@ -348,8 +355,8 @@ class RaySession(Session):
 
 
 def open_session(system: str, processes: bool = True, **kwargs: Any) -> Session:
-    if system == "shoal":
-        return ShoalSession(processes=processes)
+    if system in ("shoal", "shoal-tls"):
+        return ShoalSession(processes=processes, tls=system == "shoal-tls")
     if system == "dask":
         return DaskSession(processes=processes, **kwargs)
     if system == "ray":
@@ -399,7 +406,7 @@ def _startup(system: str) -> dict[str, Any]:
     ray, home = None, ""
     t = _perf()
     # the names a user imports (shoal loads its client and cluster layers on first use)
-    if system == "shoal":
+    if system in ("shoal", "shoal-tls"):
         import shoal
 
         shoal.Client, shoal.LocalCluster  # noqa: B018
@@ -426,7 +433,7 @@ def _startup(system: str) -> dict[str, Any]:
     return out
 
 
-_register(startup, SYSTEMS, _startup)
+_register(startup, TLS_SYSTEMS, _startup)
 
 # ---------------------------------------------------------------------------- tiny_tasks
 
@@ -490,7 +497,7 @@ def _tiny_inprocess(system: str, n: int, dask_saturation_inf: bool) -> dict[str,
     return _tiny(system, n, dask_saturation_inf, processes=False)
 
 
-_register(tiny_tasks, SYSTEMS, _tiny)
+_register(tiny_tasks, TLS_SYSTEMS, _tiny)
 _register(tiny_tasks_inprocess, ("shoal", "dask"), _tiny_inprocess)
 
 # ------------------------------------------------------------------------------- latency
@@ -521,7 +528,7 @@ def _latency(system: str, n: int, warmup: int) -> dict[str, Any]:
     return {"latency": statistics.median(samples) * 1e6, "latency_p90": samples[int(0.9 * (len(samples) - 1))] * 1e6}
 
 
-_register(latency, SYSTEMS, _latency)
+_register(latency, TLS_SYSTEMS, _latency)
 
 # --------------------------------------------------------------------------- tree_reduce
 
@@ -570,7 +577,7 @@ def _tree(system: str, leaves: int, dask_saturation_inf: bool) -> dict[str, Any]
     return out
 
 
-_register(tree_reduce, SYSTEMS, _tree)
+_register(tree_reduce, TLS_SYSTEMS, _tree)
 
 # ------------------------------------------------------------------------------ transfer
 
@@ -666,8 +673,8 @@ def _transfer(system: str, mb: int, iters: int) -> dict[str, Any]:
     return out
 
 
-_register(transfer_64MB, SYSTEMS, _transfer)
-_register(transfer_512MB, SYSTEMS, _transfer)
+_register(transfer_64MB, TLS_SYSTEMS, _transfer)
+_register(transfer_512MB, TLS_SYSTEMS, _transfer)
 
 # ---------------------------------------------------------------------------- busy_owner
 
@@ -754,4 +761,4 @@ def _busy_owner(system: str, mb: int, busy_s: float, delay: float) -> dict[str, 
     return out
 
 
-_register(busy_owner, SYSTEMS, _busy_owner)
+_register(busy_owner, TLS_SYSTEMS, _busy_owner)
