@@ -76,11 +76,32 @@ def test_bench_quick_runs_cluster_workloads_for_shoal(tmp_path):
         assert info["arg_writeable"] == "yes" and "shm=0.0MB" not in info["shoal_bytes_served"], info
 
 
+#: workloads that also run on shoal over tls://
+TLS_WORKLOADS = {"startup", "tiny_tasks", "latency", "tree_reduce", "transfer_64MB", "transfer_512MB", "busy_owner"}
+
+
 def test_cluster_workloads_register_all_systems():
     systems = _registered_systems(WORKLOADS)
     for name in WORKLOADS:
         expected = ["dask", "shoal"] if name in ("tiny_tasks_inprocess", "task_args_64MB_cli") else ["dask", "ray", "shoal"]
+        if name in TLS_WORKLOADS:
+            expected.append("shoal-tls")
         assert systems[name] == expected, (name, systems[name])
+
+
+@pytest.mark.timeout(200)
+def test_bench_quick_runs_the_tls_variant(tmp_path):
+    out_json = tmp_path / "tls.json"
+    proc = subprocess.run(
+        [sys.executable, RUN, "--systems", "shoal-tls", "--workloads", "latency,transfer_64MB", "--quick",
+         "--json", str(out_json)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    results = {r["workload"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert all(r["runs"] and not r["errors"] for r in results.values()), results
+    # over tls as over tcp, the 64 MB value went through shared memory
+    assert "shm=0.0MB" not in results["transfer_64MB"]["runs"][0]["info"]["shoal_bytes_served"]
 
 
 ARRAY_WORKLOADS = {"matmul": ["seconds", "numpy", "vs_numpy"], "dask_array_mix": ["seconds"]}
