@@ -27,6 +27,8 @@ __all__ = [
     "decode",
     "to_wire",
     "key_problem",
+    "SegmentInfo",
+    "segment_info",
     "MAX_KEY_DEPTH",
     "WORKER_TO_SCHEDULER",
     "SCHEDULER_TO_WORKER",
@@ -62,6 +64,32 @@ def key_problem(key: Any, depth: int = 0) -> str | None:
     return f"a key is a str, bytes, int, float or tuple of these, not {typ.__name__}"
 
 
+class SegmentInfo(msgspec.Struct, array_like=True):
+    """Where a value lies in shared memory (docs/protocol.md §4.7): on the wire the
+    array ``[name, size, pickle_len, [[offset, length], ...], token]``."""
+
+    name: str
+    size: int
+    pickle_len: int
+    spans: list[tuple[int, int]]
+    token: str
+
+    def to_list(self) -> list[Any]:
+        """The wire form, for the layers that store and forward it."""
+        return [self.name, self.size, self.pickle_len, [list(span) for span in self.spans], self.token]
+
+
+def segment_info(value: Any) -> list[Any] | None:
+    """``value`` checked as a segment info (nil allowed) and returned in its wire form.
+    Raises :class:`ProtocolError` for anything else."""
+    if value is None:
+        return None
+    try:
+        return msgspec.convert(value, SegmentInfo).to_list()
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"malformed segment info: {exc}") from None
+
+
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False):
     """Base of every message; ``op`` is the tag."""
 
@@ -72,6 +100,8 @@ class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False):
     #: fields the document calls optional: :func:`to_wire` leaves them out while they
     #: hold their default
     optional: ClassVar[tuple[str, ...]] = ()
+    #: fields that hold a segment info (False) or a map of them by key (True)
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = ()
 
 
 # ------------------------------------------------------------------ handshake (§3)
@@ -124,6 +154,7 @@ class TaskFinishedMsg(Msg, tag="task-finished"):
     value: Any = None  # a small value inline (opaque to the scheduler, which forwards it)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     optional: ClassVar[tuple[str, ...]] = ("shm", "value")
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
 
 
 class WorkerTaskErredMsg(Msg, tag="task-erred"):
@@ -164,6 +195,7 @@ class ComputeTaskMsg(Msg, tag="compute-task"):
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
     optional: ClassVar[tuple[str, ...]] = ("shm", "report")
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 
 class FreeKeysMsg(Msg, tag="free-keys"):
@@ -221,6 +253,7 @@ class KeyInMemoryMsg(Msg, tag="key-in-memory"):
     value: Any = None  # a small value inline, as the worker reported it
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     optional: ClassVar[tuple[str, ...]] = ("shm", "value")
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
 
 
 class TaskErredMsg(Msg, tag="task-erred"):
@@ -271,6 +304,7 @@ class UpdateDataMsg(Msg, tag="update-data"):
     shm: dict[Any, Any] | None = None
     reply: bool = True
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 
 class NcoresMsg(Msg, tag="ncores"):
@@ -364,7 +398,24 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
                 raise ProtocolError(f"{where}malformed {op!r}: a key in {name!r}: {problem}")
     if typ is UpdateGraphMsg:
         _check_tasks(out)  # type: ignore[arg-type]
+    if typ.segment_fields:
+        _check_segments(out, where, str(op))
     return out
+
+
+def _check_segments(msg: Msg, where: str, op: str) -> None:
+    """Segment infos are named structs on receipt (then kept in their wire form, which
+    is what the layers above store and forward)."""
+    for name, many in msg.segment_fields:
+        value = getattr(msg, name)
+        try:
+            if many:
+                if value is not None:
+                    setattr(msg, name, {k: segment_info(v) for k, v in value.items()})
+            else:
+                setattr(msg, name, segment_info(value))
+        except ProtocolError as exc:
+            raise ProtocolError(f"{where}malformed {op!r}: field {name!r}: {exc}") from None
 
 
 def _check_tasks(msg: UpdateGraphMsg) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "deserialize",
     "pickle_dumps",
     "pickle_loads",
+    "forwarded",
     "sizeof",
 ]
 
@@ -196,6 +197,20 @@ def register_forwarding(family: str, adopt: AdoptFn | None = None, forward: Forw
     """
     with _lock:
         _forwarding[family] = (adopt, forward)
+
+
+def forwarded(s: Serialized, destination: str) -> Serialized:
+    """``s`` as it would be sent to ``destination`` by a process that keeps it
+    serialized (its family's forward hook applied, see :func:`register_forwarding`);
+    ``s`` itself when nothing changes. Raises what the hook raises (a value whose
+    side-channel references are broken)."""
+    forward = _forwarding.get(s.family, (None, None))[1]
+    if forward is None:
+        return s
+    header, frames = forward(s, destination)
+    if header is s.header and frames is s.frames:
+        return s
+    return Serialized(s.family, header, frames)
 
 
 def _family_for(obj: Any, destination: str) -> _Family:

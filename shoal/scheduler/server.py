@@ -24,6 +24,8 @@ from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
 from ..errors import CommError, ProtocolError
+from ..protocol import REMOTE, Serialized
+from ..protocol.serialize import forwarded
 from ..protocol.messages import (
     CLIENT_TO_SCHEDULER,
     SCHEDULER_REQUESTS,
@@ -385,10 +387,12 @@ class Scheduler:
 
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, ComputeTask):
-            self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
-                inst.key, inst.payload, inst.who_has, inst.nbytes, list(inst.priority),
-                shm=inst.shm or None, report=inst.report,
-            )))
+            payload = self._payload_for(inst)
+            if payload is not None:
+                self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
+                    inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
+                    shm=inst.shm or None, report=inst.report,
+                )))
         elif isinstance(inst, CloseWorkerStream):
             logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
                            inst.worker, inst.silent_for, self.state.worker_ttl)
@@ -405,6 +409,23 @@ class Scheduler:
                     stream.send(inst.msg)
                 except CommError:
                     pass
+
+    def _payload_for(self, inst: ComputeTask) -> Any:
+        """The task's payload as its worker gets it. A payload whose shared-memory
+        references it cannot reach is sent as frames (forwarded here, once): if those
+        references are broken, the task errs (None is returned) instead of the stream
+        that would carry it failing, which would cut that worker off."""
+        payload = inst.payload
+        comm = self.worker_comms.get(inst.worker)
+        if type(payload) is not Serialized or comm is None or comm.destination != REMOTE:
+            return payload
+        try:
+            return forwarded(payload, REMOTE)
+        except Exception as exc:
+            text = f"SerializationError: the task's payload cannot be sent to {inst.worker}: {type(exc).__name__}: {exc}"
+            logger.error("task %r: %s", inst.key, text)
+            self._apply(TaskErredEvent(self._stimulus("unsendable"), inst.worker, inst.key, None, None, text))
+            return None
 
     def _send_worker(self, address: str, msg: dict[str, Any], lazy: bool = False) -> None:
         stream = self.worker_streams.get(address)

@@ -44,6 +44,7 @@ The scheduler never looks inside a task's payload: it holds it opaque and forwar
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
@@ -83,6 +84,9 @@ from .model import (
     topological,
 )
 from .validation import validate_state
+
+# the task durations the scheduler averages are clamped to this range (seconds)
+_MIN_DURATION, _MAX_DURATION = 1e-6, 1e6
 
 __all__ = [
     "SchedulerState",
@@ -712,7 +716,10 @@ class SchedulerState:
         return max(self.ahead, min(self.max_ahead, int(self.refill_seconds / avg)))
 
     def _record_duration(self, duration: float) -> None:
-        if duration > 0:
+        # a worker reports it: a tiny, huge or non-finite one must not reach the
+        # division in _ahead_per_thread (int(inf) raised there for every placement)
+        if duration > 0 and math.isfinite(duration):
+            duration = min(max(duration, _MIN_DURATION), _MAX_DURATION)
             avg = self.average_duration
             self.average_duration = duration if avg <= 0 else 0.9 * avg + 0.1 * duration
 
