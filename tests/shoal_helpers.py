@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import struct
+import subprocess
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -261,3 +262,32 @@ def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> 
         sock.close()
         raise
     return sock
+
+
+def stop_processes(procs: list[Any], auth_before: set[str] | None = None) -> None:
+    """Terminate ``procs`` (subprocess.Popen), waiting up to 10 s each before killing,
+    and close their pipes. With ``auth_before`` (the auth directory's names before they
+    started): if one was killed with SIGKILL, remove the auth files they left, which a
+    killed scheduler cannot do itself (a later one on the same port replaces it)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        for stream in (p.stdout, p.stderr):
+            if stream is not None:
+                stream.close()
+    auth_dir = security.auth_dir()
+    if auth_before is not None and any(p.returncode == -9 for p in procs) and os.path.isdir(auth_dir):
+        for name in set(os.listdir(auth_dir)) - auth_before:
+            os.unlink(os.path.join(auth_dir, name))
+
+
+def auth_files() -> set[str]:
+    """The names in this user's auth directory now."""
+    auth_dir = security.auth_dir()
+    return set(os.listdir(auth_dir)) if os.path.isdir(auth_dir) else set()

@@ -275,7 +275,7 @@ def loads(frames: Sequence[Any], deserialize: bool = True, leases: list[int] | N
     if len(frames) > 1:
         try:
             # family headers may hold tuples (packed as EXT_TUPLE), e.g. a shape
-            table = msgpack.unpackb(frames[1], use_list=True, raw=False, ext_hook=_TableExtHook())
+            table = msgpack.unpackb(frames[1], use_list=True, raw=False, ext_hook=_ExtHook(None))
         except Exception as exc:
             raise ProtocolError(f"malformed out-of-band table: {exc}") from exc
         if not isinstance(table, list):
@@ -342,7 +342,8 @@ def _plain(s: Serialized) -> bool:
 
 
 class _ExtHook:
-    """Rebuilds tuples and out-of-band references while unpacking a header.
+    """Rebuilds tuples and out-of-band references while unpacking a header (or, with
+    ``entries`` None, tuples only: the out-of-band table's family headers, a shape).
 
     A class rather than a closure: a closure that passes itself to ``_unpack`` is a
     reference cycle, which would keep every received value alive until the cyclic GC.
@@ -353,45 +354,26 @@ class _ExtHook:
 
     __slots__ = ("entries", "depth")
 
-    def __init__(self, entries: list[Any]):
+    def __init__(self, entries: list[Any] | None):
         self.entries = entries
         self.depth = 0
 
     def __call__(self, code: int, data: bytes) -> Any:
+        where = "" if self.entries is not None else " in the out-of-band table"
         if code == EXT_TUPLE:
             if self.depth >= MAX_NESTING:
-                raise ProtocolError(f"tuples nested more than {MAX_NESTING} deep")
+                raise ProtocolError(f"tuples nested more than {MAX_NESTING} deep{where}")
             self.depth += 1
             try:
                 return tuple(_unpack(data, self))
             finally:
                 self.depth -= 1
-        if code == EXT_OOB:
+        if code == EXT_OOB and self.entries is not None:
             i = int.from_bytes(data, "little")
             if i >= len(self.entries):
                 raise ProtocolError(f"reference to out-of-band value {i} of {len(self.entries)}")
             return self.entries[i]
-        raise ProtocolError(f"unknown msgpack extension type {code}")
-
-
-class _TableExtHook:
-    """Tuples in family headers (a shape), as deep as :data:`MAX_NESTING`."""
-
-    __slots__ = ("depth",)
-
-    def __init__(self) -> None:
-        self.depth = 0
-
-    def __call__(self, code: int, data: bytes) -> Any:
-        if code != EXT_TUPLE:
-            raise ProtocolError(f"unexpected msgpack extension type {code} in the out-of-band table")
-        if self.depth >= MAX_NESTING:
-            raise ProtocolError(f"tuples nested more than {MAX_NESTING} deep in the out-of-band table")
-        self.depth += 1
-        try:
-            return tuple(_unpack(data, self))
-        finally:
-            self.depth -= 1
+        raise ProtocolError(f"unknown msgpack extension type {code}{where}")
 
 
 def _unpack(data: Any, ext_hook: Any) -> Any:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import shoal
+from shoal_helpers import auth_files, stop_processes
 
 
 def _free_port() -> int:
@@ -21,29 +22,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 def processes():
-    from shoal.comm import security
-
     procs: list[subprocess.Popen] = []
-    auth_dir = security.auth_dir()
-    before = set(os.listdir(auth_dir)) if os.path.isdir(auth_dir) else set()
+    before = auth_files()
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        for stream in (p.stdout, p.stderr):
-            if stream is not None:
-                stream.close()
-    if any(p.returncode == -9 for p in procs):
-        # a scheduler killed with SIGKILL cannot remove its auth file (a later one on
-        # the same port replaces it); the test's own cleanup does
-        for name in set(os.listdir(auth_dir)) - before if os.path.isdir(auth_dir) else ():
-            os.unlink(os.path.join(auth_dir, name))
+    stop_processes(procs, before)
 
 
 def _start(procs, *args):

@@ -21,7 +21,7 @@ import shoal
 from shoal.comm import security
 from shoal.protocol import loads
 from shoal_helpers import frame_bytes, message_bytes, recv_frames
-from test_fuzz_wire import (
+from wire_peers import (
     DEADLINE,
     Cluster,
     Ext,
