@@ -70,8 +70,13 @@ SHM_DIR = "/dev/shm"
 PREFIX = "shoal-"
 _ALIGN = 64
 #: every segment starts with a header: magic and a random token naming this generation
-#: of its contents (a segment may be reused, under a new name and a new token)
+#: of its contents (a segment may be reused, under a new name and a new token). A
+#: *transfer* segment, made to be handed over to one receiver (flag-1 refs), has a magic
+#: of its own: a receiver takes over (renames or removes) only a segment that says it is
+#: a transfer, so a peer that learnt a value segment's name and token (any client of its
+#: owner does) cannot make a receiver take that segment from its owner
 _MAGIC = b"SHOALSEG"
+_TRANSFER_MAGIC = b"SHOALTRN"
 _HEADER = 64
 #: where a value's buffers start in its segment (room for the header and the pickle
 #: stream of an ordinary value before them), so that one segment size fits a value
@@ -221,21 +226,23 @@ def _fill_segment(need: int, pieces: list[tuple[int, memoryview]], keep: bool = 
     segment is filled through the owner's mapping (its pages are there: no faults); a
     new one with ``pwrite``, which fills fresh tmpfs pages far faster than faulting
     them in through a mapping (here 0.5 against 0.8 ms per MB). With ``keep`` the
-    segment stays the owner's, mapped for its reuse. Raises :class:`ShmUnavailable`;
+    segment stays the owner's, mapped for its reuse; without, it is a transfer segment
+    (its header says so). Raises :class:`ShmUnavailable`;
     nothing is left behind on failure."""
     # a segment not kept is written once: one without a mapping is filled by pwrite
     # (cheaper than mapping its pages for one copy)
     name, fd, size, writer = _writable_segment(need, mapped=keep)
     token = secrets.token_hex(8)
+    header = _header(token, transfer=not keep)
     try:
         if writer is None:
-            _pwrite_all(fd, _header(token), 0)
+            _pwrite_all(fd, header, 0)
             for offset, buf in pieces:
                 _pwrite_all(fd, buf, offset)
         else:
             view = memoryview(writer)
             try:
-                view[:_HEADER] = _header(token)
+                view[:_HEADER] = header
                 for offset, buf in pieces:
                     _copy_into(view[offset : offset + buf.nbytes], buf)
             finally:
@@ -273,8 +280,8 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _header(token: str) -> bytes:
-    return (_MAGIC + token.encode()).ljust(_HEADER, b"\0")
+def _header(token: str, transfer: bool = False) -> bytes:
+    return ((_TRANSFER_MAGIC if transfer else _MAGIC) + token.encode()).ljust(_HEADER, b"\0")
 
 
 def _writable_segment(need: int, mapped: bool = True) -> tuple[str, int, int, mmap.mmap | None]:
@@ -530,17 +537,20 @@ _ranges: dict[str, tuple[int, int, str]] = {}
 adopt_transfers = False
 
 
-def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool = False) -> memoryview:
+def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool = False,
+                take: bool = False) -> memoryview:
     """A copy-on-write view of segment ``name`` holding generation ``token`` (one
     mapping per segment and process, alive while any value uses it; with ``own``, a
     mapping of its own, whose writes no other user of the segment in this process
     sees: a task's arguments). With ``adopt`` (a transfer segment sent to this
     process) the file is renamed to a name of this process, which it keeps while the
-    mapping lives and then retires to its pool; :func:`locate` gives the new name.
-    Raises ``FileNotFoundError`` if it is gone, now holds something else or is no
-    segment of this user (see :func:`_open_segment`), ``ValueError`` for a name not in
-    shoal's form or a size the file does not have."""
-    if not own:
+    mapping lives and then retires to its pool, its header now a value segment's;
+    :func:`locate` gives the new name. With ``adopt`` or ``take`` (the caller removes
+    the name once mapped) the segment must be a transfer segment. Raises
+    ``FileNotFoundError`` if it is gone, now holds something else or is no segment of
+    this user (see :func:`_open_segment`), ``ValueError`` for a name not in shoal's
+    form, a size the file does not have, or a value segment to be taken over."""
+    if not (own or adopt or take):  # a segment to take over has its header checked
         with _lock:
             entry = _maps.get(name)
             m = entry[0]() if entry is not None and entry[1] == token else None
@@ -548,14 +558,17 @@ def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool
             return memoryview(m)
     if size < _HEADER:
         raise ValueError(f"segment {name!r:.300} described with {size} bytes, less than its header")
-    fd, st = _open_segment(name, os.O_RDONLY)
+    fd, st = _open_segment(name, os.O_RDWR if adopt else os.O_RDONLY)
     try:
         try:
             # held while the mapping lives: the owner cannot reuse the segment meanwhile
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
             raise FileNotFoundError(f"segment {name} is being rewritten") from None
-        if os.pread(fd, _HEADER, 0) != _header(token):
+        header = os.pread(fd, _HEADER, 0)
+        if header != _header(token, transfer=True) and (adopt or take or header != _header(token)):
+            if header == _header(token):
+                raise ValueError(f"segment {name} is a value's, not a transfer: it cannot be handed over")
             raise FileNotFoundError(f"segment {name} no longer holds the value asked for")
         if st.st_size < size:
             raise ValueError(f"segment {name} is smaller than described")
@@ -566,6 +579,8 @@ def map_segment(name: str, size: int, token: str, own: bool = False, adopt: bool
                 os.rename(_path(name), _path(new))
             except FileNotFoundError:
                 raise FileNotFoundError(f"segment {name} went away while it was mapped") from None
+            # ours now, and a value's: nobody can hand it over again
+            _pwrite_all(fd, _header(token), 0)
             with _lock:
                 _owned.add(new)
             name = new

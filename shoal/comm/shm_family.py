@@ -15,8 +15,12 @@ A receiver removes or renames a transfer segment (flag 1) only if the sender lea
 on the connection the entry came on (its table entry lists lease ids,
 :data:`~shoal.protocol.core.decoding_leases`) and, when the transport knows the peer's
 pid (:data:`receiving_from`), only if the segment is named after that pid. Any other
-flag-1 ref is mapped like a flag-0 one and its file left alone: a peer cannot make this
-process remove or take over segments another process owns.
+flag-1 ref is mapped like a flag-0 one and its file left alone. As that pid is only
+claimed, the file must moreover say it is a transfer (its header, :mod:`.shm`): a value
+segment, whose name and token its owner's clients learn, is never taken over, and a
+kept transfer becomes a value segment. A peer cannot make this process remove or take
+over segments another process owns. Refs are parsed as
+:class:`~shoal.protocol.messages.SegmentRef`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 from ..protocol import SAME_HOST
 from ..protocol.core import decoding_leases
+from ..protocol.messages import SegmentRef
 from . import shm as _shm
 from .shm import (
     _DATA_OFFSET,
@@ -143,24 +148,18 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
             except StopIteration:
                 raise ValueError("the refs name more frames than were sent") from None
             continue
-        try:
-            name, size, offset, length, flag, token = ref
-            size, offset, length = int(size), int(offset), int(length)
-        except (TypeError, ValueError):
-            raise ValueError(f"malformed shared-memory reference {ref!r:.200}") from None
-        if not isinstance(name, str) or offset < 0 or length < 0 or offset + length > size:
-            raise ValueError(f"malformed shared-memory reference {ref!r:.200}")
+        r = SegmentRef.parse(ref)
         # a transfer (flag 1) is ours once mapped: a worker keeps it under a name of its
         # own (its peers may map it then); any other process removes the name
-        take = flag == 1 and leased and _from_peer(name)
+        take = r.flag == 1 and leased and _from_peer(r.name)
         adopt = take and not own and _shm.adopt_transfers
-        view = views.get((name, str(token)))
-        if view is None or view.nbytes < size:
-            view = views[name, str(token)] = map_segment(name, size, str(token), own=own, adopt=adopt)
-        buffers.append(view[offset : offset + length])
+        view = views.get((r.name, r.token))
+        if view is None or view.nbytes < r.size:
+            view = views[r.name, r.token] = map_segment(r.name, r.size, r.token, own=own, adopt=adopt, take=take)
+        buffers.append(view[r.offset : r.offset + r.length])
         if take and not adopt:
             try:
-                os.unlink(_path(name))
+                os.unlink(_path(r.name))
             except FileNotFoundError:
                 pass
     return buffers
@@ -228,7 +227,7 @@ def _copy_big(raws: Sequence[memoryview], min_bytes: int, start: int, flag: int)
     name, size, token = _fill_segment(pos, [(spans[i], raws[i]) for i in big], keep=flag == 0)
     refs: list[Any] = [None] * len(raws)
     for i in big:
-        refs[i] = [name, size, spans[i], raws[i].nbytes, flag, token]
+        refs[i] = SegmentRef(name, size, spans[i], raws[i].nbytes, flag, token).to_list()
     return refs, name, size
 
 
@@ -259,18 +258,23 @@ def adopt_refs(s: Any) -> bool:
     if not isinstance(refs, list) or not enabled():
         return False
     renamed: dict[str, str] = {}
-    for ref in refs:
-        if not (isinstance(ref, list) and len(ref) == 6 and ref[4] == 1 and isinstance(ref[0], str)):
+    for i, raw in enumerate(refs):
+        if raw is None:
             continue
-        old = ref[0]
-        if old not in renamed:
-            if not _from_peer(old):
+        try:
+            ref = SegmentRef.parse(raw)
+        except ValueError:
+            continue  # left as it came: decoding it fails
+        if ref.flag != 1:
+            continue
+        if ref.name not in renamed:
+            if not _from_peer(ref.name):
                 continue
-            new = adopt_segment(old, str(ref[5]))
+            new = adopt_segment(ref.name, ref.token)
             if new is None:
                 continue
-            renamed[old] = new
-        ref[0], ref[4] = renamed[old], 0
+            renamed[ref.name] = new
+        refs[i] = SegmentRef(renamed[ref.name], ref.size, ref.offset, ref.length, 0, ref.token).to_list()
     if not renamed:
         return False
     s.keep = [_Held(new, _maker(old)) for old, new in renamed.items()]

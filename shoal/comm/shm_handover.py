@@ -45,18 +45,20 @@ return_to: set[int] = set()
 
 def adopt_segment(name: str, token: str) -> str | None:
     """Make another process's transfer segment this process's own: rename it to a
-    name of ours (its sender then cannot remove it); the new name, or ``None`` if it
-    is gone, holds something else than generation ``token`` or is no segment of this
-    user (see :func:`.shm._open_segment`)."""
+    name of ours (its sender then cannot remove it) and mark it a value segment (no
+    peer can hand it over again); the new name, or ``None`` if it is gone, holds
+    something else than generation ``token`` of a transfer segment (a value segment's
+    owner keeps it) or is no segment of this user (see :func:`.shm._open_segment`)."""
     try:
-        fd, _ = _open_segment(name, os.O_RDONLY)
+        fd, _ = _open_segment(name, os.O_RDWR)
     except (OSError, ValueError):
         return None
     try:
-        if os.pread(fd, _HEADER, 0) != _header(token):
+        if os.pread(fd, _HEADER, 0) != _header(token, transfer=True):
             return None
         new = _new_name()
         os.rename(_path(name), _path(new))
+        _pwrite_all(fd, _header(token), 0)
     except OSError:
         return None
     finally:

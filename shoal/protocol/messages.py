@@ -79,6 +79,36 @@ class SegmentInfo(msgspec.Struct, array_like=True):
         return [self.name, self.size, self.pickle_len, [list(span) for span in self.spans], self.token]
 
 
+class SegmentRef(msgspec.Struct, array_like=True, frozen=True):
+    """One buffer of a ``shoal.same-host`` or ``shoal.runspec`` header's ``refs`` that
+    lies in shared memory (docs/protocol.md §4.7): on the wire the array ``[name,
+    size, offset, length, flag, token]``; flag 0 maps an existing segment, flag 1 a
+    transfer segment that the receiver takes over."""
+
+    name: str
+    size: int
+    offset: int
+    length: int
+    flag: int
+    token: str
+
+    @classmethod
+    def parse(cls, value: Any) -> SegmentRef:
+        """``value`` (a ref as a peer sent it) checked: the six elements with their
+        types, the span inside the segment. Raises ``ValueError`` naming it."""
+        try:
+            ref = msgspec.convert(value, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"malformed shared-memory reference {value!r:.200}: {exc}") from None
+        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > ref.size or ref.flag not in (0, 1):
+            raise ValueError(f"malformed shared-memory reference {value!r:.200}")
+        return ref
+
+    def to_list(self) -> list[Any]:
+        """The wire form, as headers carry it."""
+        return [self.name, self.size, self.offset, self.length, self.flag, self.token]
+
+
 def segment_info(value: Any) -> list[Any] | None:
     """``value`` checked as a segment info (nil allowed) and returned in its wire form.
     Raises :class:`ProtocolError` for anything else."""

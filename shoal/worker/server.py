@@ -27,7 +27,16 @@ from .. import config
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats
-from ..protocol.messages import SCHEDULER_TO_WORKER, WORKER_REQUESTS, CloseMsg, ComputeTaskMsg, FreeKeysMsg, Msg, decode
+from ..protocol.messages import (
+    SCHEDULER_TO_WORKER,
+    WORKER_REQUESTS,
+    CloseMsg,
+    ComputeTaskMsg,
+    FreeKeysMsg,
+    Msg,
+    SegmentRef,
+    decode,
+)
 from ..taskspec import RunSpec, run
 from .store import WorkerStore
 from .state import (
@@ -389,8 +398,12 @@ class Worker:
             return
         refs = payload.header.get("refs") if isinstance(payload.header, dict) else None
         if isinstance(refs, list):
-            self.transfers["shm"] += sum(r[3] for r in refs if isinstance(r, list) and len(r) == 6
-                                         and isinstance(r[3], int))
+            for ref in refs:
+                if ref is not None:
+                    try:
+                        self.transfers["shm"] += SegmentRef.parse(ref).length
+                    except ValueError:
+                        pass  # running the task says what is wrong with it
         self.transfers["tcp"] += sum(_nbytes_of(f) for f in payload.frames[2:])
 
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:

@@ -280,7 +280,8 @@ _function_cache: dict[bytes, Any] = {}
 
 # -- §4.7 shared memory ----------------------------------------------------------------
 
-SEG_MAGIC = b"SHOALSEG"  # §4.7: a segment's header starts with it
+SEG_MAGIC = b"SHOALSEG"  # §4.7: a value segment's header starts with it
+TRANSFER_MAGIC = b"SHOALTRN"  # §4.7: a transfer segment's (flag-1 refs)
 SEG_HEADER = 64  # §4.7: the header's size; the pickle starts here
 
 
@@ -295,22 +296,24 @@ def shm_path(name: Any) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-def segment_header(token: Any) -> bytes:
-    """§4.7: b"SHOALSEG", the token in ASCII, zero bytes up to 64."""
+def segment_header(token: Any, transfer: bool = False) -> bytes:
+    """§4.7: b"SHOALSEG" (b"SHOALTRN" for a transfer), the token in ASCII, zero bytes
+    up to 64."""
     if not isinstance(token, str):
         raise WireError(f"not a segment token: {token!r:.100}")
-    header = SEG_MAGIC + token.encode("ascii")
+    header = (TRANSFER_MAGIC if transfer else SEG_MAGIC) + token.encode("ascii")
     if len(header) > SEG_HEADER:
         raise WireError(f"segment token too long: {token!r:.100}")
     return header.ljust(SEG_HEADER, b"\0")
 
 
-def map_segment(name: str, size: int, token: str) -> memoryview:
+def map_segment(name: str, size: int, token: str, take: bool = False) -> memoryview:
     """§4.7 "Reading a segment": a private, copy-on-write mapping of the first ``size``
-    bytes of a segment that holds generation ``token``. The shared flock taken on the
-    way is held for as long as the mapping lives (its descriptor is closed when the
-    mapping is collected), so that the owner cannot reuse the memory meanwhile."""
-    expected = segment_header(token)
+    bytes of a segment that holds generation ``token`` (with ``take``, a transfer
+    segment, which the caller then removes). The shared flock taken on the way is held
+    for as long as the mapping lives (its descriptor is closed when the mapping is
+    collected), so that the owner cannot reuse the memory meanwhile."""
+    expected = {segment_header(token, transfer=True)} | (set() if take else {segment_header(token)})
     try:
         fd = os.open(shm_path(name), os.O_RDONLY)  # 1. open
     except FileNotFoundError:
@@ -320,7 +323,7 @@ def map_segment(name: str, size: int, token: str) -> memoryview:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # 2. the shared lock, no waiting
         except BlockingIOError:
             raise SegmentGone(f"segment {name} is being rewritten by its owner") from None
-        if os.pread(fd, SEG_HEADER, 0) != expected:  # 3. the header of this token
+        if os.pread(fd, SEG_HEADER, 0) not in expected:  # 3. the header of this token
             raise SegmentGone(f"segment {name} no longer holds token {token}")
         if os.fstat(fd).st_size < size:  # 4. big enough, then map
             raise WireError(f"segment {name} is smaller than {size} bytes")
@@ -569,7 +572,7 @@ def _buffers(refs: Any, frames: list[Any], what: str = "") -> list[Any]:
         if not isinstance(ref, list) or len(ref) != 6:
             raise WireError(f"malformed ref {ref!r:.100}")
         name, size, offset, length, flag, token = ref
-        view = map_segment(name, int(size), token)  # the shared lock, the token (§4.7)
+        view = map_segment(name, int(size), token, take=flag == 1)  # the shared lock, the token (§4.7)
         buffers.append(view[int(offset):int(offset) + int(length)])
         if flag == 1:
             # a transfer segment: ours now that it is mapped; remove its name

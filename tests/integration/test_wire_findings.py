@@ -1,6 +1,5 @@
 """What fuzzing the wire found (test_fuzz_wire.py, fuzz/), each reduced to the few
-messages that show it, against real processes. What is not fixed yet is marked xfail,
-strict: a fix makes the test pass, and then fail, so that the mark goes.
+messages that show it, against real processes.
 """
 
 from __future__ import annotations
@@ -143,11 +142,11 @@ def test_a_worker_s_tiny_duration_does_not_stop_the_scheduler_placing_tasks(own_
         send(sock, message_bytes([{"op": "unregister"}]))
 
 
-@pytest.mark.xfail(strict=True, reason="finding: the pid a peer gives in the handshake is only claimed; a peer "
-                   "that claims a worker's pid and sends a flag-1 ref to that worker's result segment (name and "
-                   "token: what key-in-memory tells clients) with any lease id makes the scheduler adopt the "
-                   "segment: renamed to a name of the scheduler's, then removed")
 def test_a_peer_cannot_take_a_worker_s_segment_over_by_claiming_its_pid(own_cluster):
+    """The pid in handshake-auth is only claimed. A peer that claims a worker's pid and
+    hands the scheduler a flag-1 ref to that worker's result segment (name and token:
+    what a client is told) must not make the scheduler take it: only a segment whose
+    header says it is a transfer can be handed over, and once adopted it is not one."""
     import numpy as np
 
     from shoal.comm import shm

@@ -405,19 +405,30 @@ def test_a_transfer_named_after_the_peer_is_taken(adopting: bool) -> None:
         shm.work_off()
 
 
-def test_a_transfer_naming_another_process_segment_leaves_it_alone(made: Made, adopting: bool) -> None:
-    """The attack itself: a leased transfer ref that names a segment the peer did not
-    make. The receiver maps it (the value is what the file holds) and keeps its hands
-    off the file."""
+@pytest.mark.parametrize("claims", ["another process", "the owner"])
+def test_a_transfer_ref_naming_a_value_segment_leaves_it_alone(made: Made, adopting: bool, claims: str) -> None:
+    """The attack itself: a leased transfer ref that names a value segment the peer
+    did not make (its name and token are what the owner's clients learn). A peer that
+    says it is another process: the receiver maps the segment (the value is what the
+    file holds) and keeps its hands off the file. A peer that claims to be the owner
+    (the pid is only claimed): the segment's header says it is a value's, not a
+    transfer, so decoding fails and the file is left alone, adopted by no one."""
     placed = shm.place(np.full(2 * MB // 8, 7.0))
     assert placed is not None
     victim = placed[0]
     prepared, frames, mine = _transfer(np.zeros(2 * MB // 8))
     forged = _rewrite_refs(frames, lambda ref: [victim.name, victim.size, victim.info[3][0][0],
                                                 victim.info[3][0][1], 1, victim.info[4]])
-    reset = shm_family.receiving_from.set(999_999_999)  # the peer, as authenticated
+    reset = shm_family.receiving_from.set(999_999_999 if claims == "another process" else os.getpid())
     try:
-        assert float(loads(forged)["x"][0]) == 7.0
+        if claims == "another process":
+            assert float(loads(forged)["x"][0]) == 7.0
+        else:
+            with pytest.raises(ValueError, match="not a transfer"):
+                loads(forged)
+        acks: list[int] = []
+        kept = loads(forged, deserialize=False, leases=acks)["x"]
+        assert acks == [] and kept.header["refs"][0][0] == victim.name  # not adopted
         assert _exists(victim.name)
         assert np.array_equal(shm.attach(victim.info), np.full(2 * MB // 8, 7.0))
     finally:
@@ -425,6 +436,28 @@ def test_a_transfer_naming_another_process_segment_leaves_it_alone(made: Made, a
         prepared.end_leases("closed")
         victim.unlink()
     assert not _exists(mine)
+
+
+def test_an_adopted_transfer_is_a_value_segment_then() -> None:
+    """A segment a receiver adopted (a scheduler keeping a payload) is its own: the
+    same ref sent again cannot make another receiver take it."""
+    value = np.arange(2 * MB // 8, dtype=np.float64)
+    prepared, frames, name = _transfer(value)
+    try:
+        acks: list[int] = []
+        kept = loads(frames, deserialize=False, leases=acks)["x"]
+        (ref,) = kept.header["refs"]
+        assert acks and ref[0] != name and ref[4] == 0 and _exists(ref[0])  # adopted
+        again = _rewrite_refs(frames, lambda r: [ref[0], *r[1:]])
+        with pytest.raises(ValueError, match="not a transfer"):
+            loads(again)
+        assert loads(again, deserialize=False)["x"].header["refs"][0][:5:4] == [ref[0], 1]  # not adopted
+        assert _exists(ref[0])
+        assert np.array_equal(deserialize(kept), value)
+    finally:
+        prepared.end_leases("acknowledged")
+        del kept
+        shm.work_off()
 
 
 # ----------------------------------------------------------- the device-array example
