@@ -30,7 +30,7 @@ from .protocol import (
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CancelledError, GraphError, KilledWorker, LostDataError
+from .errors import CancelledError, GraphError, InvalidKeyError, KilledWorker, LostDataError
 
 if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
@@ -69,6 +69,7 @@ __all__ = [
     "wait",
     "CancelledError",
     "GraphError",
+    "InvalidKeyError",
     "KilledWorker",
     "LostDataError",
     "CommBrokenError",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import time
-from typing import Any
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NoReturn
 
 __all__ = ["main"]
 
@@ -79,7 +82,8 @@ def _security_from(args: argparse.Namespace, address: str | None) -> Any:
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from .comm import security
+    signals = _Signals()
+    from .comm import security, shm
     from .scheduler.server import Scheduler
 
     sec = _security_from(args, None)
@@ -87,30 +91,41 @@ def _scheduler(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         scheduler = Scheduler(security=sec)
-        written = None
-        share = sec.auth and not args.auth_file
-        if share and args.port:
-            # processes of this user on this host find the secret without being told
-            # (written before listening: a peer that connects at once finds it)
-            written = security.write_auth_file(f"tcp://{_hostport(args.host, args.port)}", sec)
-        await scheduler.start(f"{scheme}://{_hostport(args.host, args.port)}")
-        if share and written is None:
-            written = security.write_auth_file(scheduler.address, sec)
-        print(f"shoal scheduler at {scheduler.address}", flush=True)
-        if written is not None:
-            print(f"shoal scheduler auth file {written}", flush=True)
+        auth_address = ""
         try:
-            await _until_signalled()
+            share = sec.auth and not args.auth_file
+            if share and args.port:
+                # processes of this user on this host find the secret without being told
+                # (written before listening: a peer that connects at once finds it)
+                auth_address = f"tcp://{_hostport(args.host, args.port)}"
+                signals.at_exit_now(security.remove_auth_file, auth_address, sec)
+                written = security.write_auth_file(auth_address, sec)
+            await scheduler.start(f"{scheme}://{_hostport(args.host, args.port)}")
+            if share and not auth_address:
+                auth_address = scheduler.address
+                signals.at_exit_now(security.remove_auth_file, auth_address, sec)
+                written = security.write_auth_file(auth_address, sec)
+            print(f"shoal scheduler at {scheduler.address}", flush=True)
+            if auth_address:
+                print(f"shoal scheduler auth file {written}", flush=True)
+            await signals.wait()
         finally:
-            await scheduler.close()
-            if written is not None:
-                security.remove_auth_file(scheduler.address, sec)
+            await _closing(scheduler.close(), "the scheduler")
+            if auth_address:
+                security.remove_auth_file(auth_address, sec)
 
-    _run(run())
+    try:
+        signals.run(run)
+    finally:
+        # what it kept in shared memory (clients' task arguments, its pool) goes now,
+        # not at interpreter exit
+        shm.unlink_all()
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
+    signals = _Signals()
+    from .comm import shm
     from .comm.core import parse_address
     from .worker.server import Worker
 
@@ -120,34 +135,132 @@ def _worker(args: argparse.Namespace) -> int:
     async def run() -> None:
         worker = Worker(args.address, nthreads=args.nthreads, name=args.name or "",
                         listen_address=f"{scheme}://{_hostport(args.host, 0)}", security=sec)
-        await worker.start()
-        print(f"shoal worker at {worker.address}", flush=True)
-        stop = asyncio.ensure_future(_until_signalled())
-        done = asyncio.ensure_future(worker.finished())
-        await asyncio.wait({stop, done}, return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        await worker.close()
+        try:
+            await worker.start()
+            print(f"shoal worker at {worker.address}", flush=True)
+            await signals.wait(worker.finished())  # a signal, or the worker closed itself
+        finally:
+            await _closing(worker.close(), "the worker")
 
-    _run(run())
-    # tasks still running in executor threads must not keep a closed worker alive
+    code = 0
+    try:
+        signals.run(run)
+    except Exception:
+        traceback.print_exc()  # what the interpreter would print, without its exit (below)
+        code = 1
+    # every segment the worker owns goes now: results, scattered and fetched values kept
+    # in the segments they came in, its pool, transfers not taken yet by their peers
+    # (some only a finalizer would have removed, and none runs below)
+    shm.unlink_all()
+    # tasks still running in executor threads must not keep a closed worker alive: the
+    # interpreter's exit would wait for them
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(code)
+
+
+#: how long a closing scheduler or worker may take to say goodbye to its peers before
+#: it leaves anyway (its segments are removed after that, whatever happened)
+CLOSE_TIMEOUT = 5.0
+
+
+async def _closing(close: Coroutine[Any, Any, None], what: str) -> None:
+    """Await ``close`` (of ``what``), for :data:`CLOSE_TIMEOUT` seconds at most."""
+    try:
+        await asyncio.wait_for(close, CLOSE_TIMEOUT)
+    except asyncio.TimeoutError:
+        print(f"shoal: {what} did not close within {CLOSE_TIMEOUT}s; leaving anyway", file=sys.stderr, flush=True)
+
+
+class _Signals:
+    """SIGTERM and SIGINT of a ``shoal scheduler`` or ``shoal worker`` process, for its
+    whole life. The first asks it to close: :meth:`wait` returns, or, while it still
+    starts (a worker waiting for its scheduler), the start is given up. Another one
+    while it closes makes it leave at once (:func:`_exit_now`). Either way the process
+    removes every shared-memory segment it owns before it exits, and exits with 0: it
+    stopped as it was asked.
+
+    Python-level handlers, not the event loop's: those go with the loop, and then a
+    SIGTERM (default action) during the last clean-up, after the loop, would kill the
+    process with its segments left in /dev/shm. uvloop wakes up for them (it watches
+    the signal wake-up fd), so a signal is seen at once while the loop waits; asyncio's
+    own loop, when the main thread gets it (Linux gives it that thread first).
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Future[Any] | None = None
+        self._stop: asyncio.Future[None] | None = None
+        self._at_exit_now: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def at_exit_now(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Have ``fn(*args)`` called should the process leave at once (it must take no
+        lock: it runs in a signal handler)."""
+        self._at_exit_now.append((fn, args))
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received += 1
+        if self.received > 1:
+            _exit_now(f"a second signal ({signal.Signals(signum).name}) while closing", self._at_exit_now)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._stop_now)
+            except RuntimeError:
+                pass  # the loop has closed: the clean-up after it runs already
+
+    def _stop_now(self) -> None:
+        if self._stop is not None:
+            if not self._stop.done():
+                self._stop.set_result(None)
+        elif self._main is not None:
+            self._main.cancel()  # still starting: give up
+
+    def run(self, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``main()`` on a new event loop until it returns, or a signal ended its
+        start. Raises what it raises."""
+
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._main = asyncio.current_task()
+            if not self.received:  # not signalled before the loop ran
+                await main()
+
+        try:
+            _run(run())
+        except asyncio.CancelledError:
+            if not self.received:
+                raise
+
+    async def wait(self, *also: Awaitable[Any]) -> None:
+        """Wait for a signal, or until one of ``also`` is done."""
+        self._stop = asyncio.get_running_loop().create_future()
+        if self.received:  # before this was waited for
+            return
+        others = {asyncio.ensure_future(a) for a in also}
+        try:
+            await asyncio.wait({self._stop, *others}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for other in others:
+                other.cancel()
+
+
+def _exit_now(why: str, cleanups: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> NoReturn:
+    """Leave at once (from a signal handler): this process's segments are removed by
+    their names (:func:`.shm.sweep` takes no lock: the handler may have interrupted
+    code that holds one), then ``cleanups`` run."""
+    from .comm import shm
+
+    shm.sweep(os.getpid())
+    for fn, args in cleanups:
+        try:
+            fn(*args)
+        except Exception:
+            pass
+    os.write(2, f"shoal: {why}: exiting now\n".encode())
     os._exit(0)
-
-
-async def _until_signalled() -> None:
-    import signal
-
-    loop = asyncio.get_running_loop()
-    stop: asyncio.Future[None] = loop.create_future()
-
-    def on_signal() -> None:
-        if not stop.done():
-            stop.set_result(None)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    await stop
 
 
 def _hostport(host: str, port: int) -> str:

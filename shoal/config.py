@@ -49,6 +49,15 @@ _DEFAULTS: dict[str, Any] = {
     # the scheduler removes a worker it heard nothing from for this many seconds, as if
     # its connection had died (0: never)
     "worker-ttl": 300.0,
+    # a worker's fetch of inputs from a peer that fails for want of resources (out of
+    # descriptors or memory, here or at the peer) is tried this many times in all, the
+    # pause between two attempts starting at gather-retry-delay seconds and doubling
+    "gather-attempts": 4,
+    "gather-retry-delay": 0.1,
+    # after this many failed fetches from one peer in a row, a worker's tasks that need
+    # a value only that peer holds err with the fetch's error instead of being handed
+    # back to the scheduler (which would send them to this worker again)
+    "gather-peer-failures": 3,
     # connection pool limit (open comms) per pool
     "pool-limit": 512,
     # a task whose arguments are larger than this warns once, suggesting scatter (0: never)

@@ -13,6 +13,8 @@
     ├── SerializationError         a value cannot be serialized (raised before sending)
     ├── DeserializationError       received bytes cannot be turned back into a value
     ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key)
+    ├── InvalidKeyError            a task key the wire cannot carry (TypeError and
+    │                              ValueError: wrong type, NaN, out of range, too deep)
     ├── KilledWorker               a task was running on too many workers that died
     ├── LostDataError              a value that cannot be recomputed was lost
     ├── CancelledError             the future's task was cancelled
@@ -21,6 +23,10 @@
 
 Errors raised by a backend (``OSError``, ``msgpack`` exceptions, ...) are translated at
 the boundary into one of these, with the original kept as ``__cause__``.
+
+User objects may raise anywhere, also while an error about them is being written:
+:func:`describe` and :func:`short_repr` make text of an exception or an object whatever
+their ``__str__``/``__repr__`` do.
 """
 
 from __future__ import annotations
@@ -38,9 +44,12 @@ __all__ = [
     "DeserializationError",
     "RemoteError",
     "GraphError",
+    "InvalidKeyError",
     "KilledWorker",
     "LostDataError",
     "CancelledError",
+    "describe",
+    "short_repr",
 ]
 
 
@@ -115,3 +124,32 @@ class LostDataError(ShoalError):
 
 class CancelledError(ShoalError):
     """The task of this future was cancelled."""
+
+
+class InvalidKeyError(ShoalError, TypeError, ValueError):
+    """A task key the wire cannot carry: not a str, bytes, int, float or tuple of these
+    (a ``TypeError``), or a value of those types that is no key (a ``ValueError``: a
+    NaN or infinite float, an int beyond 64 bits, a str that is not valid Unicode, tuples
+    nested too deep). Both bases, so that either ``except`` catches it."""
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` of ``exc``, even when its ``__str__`` raises or returns no str."""
+    try:
+        text = str(exc)
+    except BaseException as inner:  # noqa: BLE001 - a user's __str__ may raise anything
+        text = f"<str() of the exception raised {type(inner).__name__}>"
+    name = type(exc).__qualname__
+    return f"{name}: {text}" if text else name
+
+
+def short_repr(obj: object, limit: int = 80) -> str:
+    """``repr(obj)``, cut to ``limit`` characters, even when the object's ``__repr__``
+    raises or recurses forever."""
+    try:
+        text = repr(obj)
+    except BaseException as exc:  # noqa: BLE001 - a user's __repr__ may raise anything
+        return f"<{type(obj).__qualname__} whose repr raised {type(exc).__name__}>"
+    if not isinstance(text, str):
+        return f"<{type(obj).__qualname__}>"
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -25,11 +25,10 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import GraphError
-from .protocol.messages import key_problem
+from .errors import GraphError, InvalidKeyError, SerializationError, short_repr
 from .protocol import (
     SAME_HOST,
     Serialize,
@@ -40,6 +39,7 @@ from .protocol import (
     unwrap,
 )
 from .protocol.serialize import pickle_dumps, sizeof
+from .protocol.messages import Key, key_problem
 
 __all__ = [
     "Ref",
@@ -54,7 +54,6 @@ __all__ = [
     "GraphError",
 ]
 
-Key = Hashable
 
 logger = logging.getLogger("shoal.taskspec")
 
@@ -138,6 +137,11 @@ class RunSpec:
 
     def __reduce__(self) -> Any:
         return (RunSpec, (self.func, self.args, self.kwargs))
+
+    def __serialization_parts__(self) -> list[tuple[str, Any]]:
+        """Where a serialization error looks for the part that failed (it names
+        ``args[1]``, not the whole task)."""
+        return [("function", self.func), ("args", self.args), ("kwargs", self.kwargs)]
 
 
 _function_bytes: dict[Any, bytes] = {}
@@ -291,23 +295,22 @@ def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
     return spec.func(*args, **kwargs)
 
 
+def raise_serialization_error(text: str) -> None:
+    """The function of a task whose own payload could not be sent (a client puts it
+    in that payload's place): running it raises the error that sending met, so the
+    task, and its dependents, err as for any task that raises."""
+    raise SerializationError(text)
+
+
 def validate_key(key: Any) -> Key:
-    """Keys are str, bytes, int (64-bit), float or tuples of these, nested at most
-    :data:`~shoal.protocol.messages.MAX_KEY_DEPTH` deep (what the wire carries as a
-    key); raise ``TypeError`` saying what is wrong otherwise."""
+    """Keys are str (valid Unicode), bytes, int (64-bit), finite float or tuples of
+    these, nested at most :data:`~shoal.protocol.messages.MAX_KEY_DEPTH` deep (what the
+    wire carries as a key); raise :class:`~shoal.errors.InvalidKeyError` (a
+    ``TypeError`` and a ``ValueError``) saying what is wrong otherwise."""
     problem = key_problem(key)
     if problem is not None:
-        raise TypeError(f"bad task key {_short_repr(key)}: {problem}")
+        raise InvalidKeyError(f"bad task key {short_repr(key)}: {problem}")
     return key
-
-
-def _short_repr(obj: Any) -> str:
-    # a user object's __repr__ may raise, or recurse forever
-    try:
-        text = repr(obj)
-    except Exception as exc:
-        return f"<{type(obj).__name__} whose repr raised {type(exc).__name__}>"
-    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def key_name(func: Callable[..., Any]) -> str:

@@ -6,6 +6,8 @@
 - :class:`LogWaiter`: wait (with a deadline) until a matching log record was emitted,
   from any thread.
 - raw wire helpers speaking shoal's tcp framing over a blocking socket.
+- ``shoal`` command-line processes: :func:`start_shoal`, :func:`start_scheduler`,
+  :func:`start_worker`, :func:`stop_processes`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import socket
 import struct
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -264,6 +267,40 @@ def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> 
     return sock
 
 
+def free_port() -> int:
+    """A tcp port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_shoal(procs: list[Any], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m shoal *args`` with its stdout and stderr piped (text), appended to
+    ``procs`` (for :func:`stop_processes`); ``env`` is added to this environment."""
+    p = subprocess.Popen([sys.executable, "-m", "shoal", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=None if env is None else {**os.environ, **env})
+    procs.append(p)
+    return p
+
+
+def start_scheduler(procs: list[Any], *args: str) -> tuple[subprocess.Popen, str]:
+    """A ``shoal scheduler`` on a free port of 127.0.0.1 and its address, once it listens."""
+    p = start_shoal(procs, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), *args)
+    line = p.stdout.readline()
+    assert line.startswith("shoal scheduler at tcp://"), (line, p.poll())
+    return p, line.split()[-1]
+
+
+def start_worker(procs: list[Any], address: str, *args: str,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``shoal worker`` joining the scheduler at ``address`` and its own address, once
+    it has registered."""
+    p = start_shoal(procs, "worker", address, *args, env=env)
+    line = p.stdout.readline()
+    assert line.startswith("shoal worker at tcp://"), (line, p.poll())
+    return p, line.split()[-1]
+
+
 def stop_processes(procs: list[Any], auth_before: set[str] | None = None) -> None:
     """Terminate ``procs`` (subprocess.Popen), waiting up to 10 s each before killing,
     and close their pipes. With ``auth_before`` (the auth directory's names before they
@@ -278,9 +315,12 @@ def stop_processes(procs: list[Any], auth_before: set[str] | None = None) -> Non
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-        for stream in (p.stdout, p.stderr):
+        for stream in (p.stdin, p.stdout, p.stderr):
             if stream is not None:
-                stream.close()
+                try:
+                    stream.close()
+                except BrokenPipeError:  # stdin: what was buffered for it cannot go any more
+                    pass
     auth_dir = security.auth_dir()
     if auth_before is not None and any(p.returncode == -9 for p in procs) and os.path.isdir(auth_dir):
         for name in set(os.listdir(auth_dir)) - auth_before:

@@ -28,11 +28,12 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
-from ..errors import CommError, LostDataError, ProtocolError
+from ..errors import CommError, LostDataError, ProtocolError, SerializationError, short_repr
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
+from ..protocol.core import prepare
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
-from ..taskspec import RunSpec, key_name, tokenize, unique_token, validate_key
+from ..taskspec import RunSpec, key_name, raise_serialization_error, tokenize, unique_token, validate_key
 from .collections import DaskCollections
 from .future import Future, FutureState, _unwrap
 from .structure import collect_futures, rebuild, rebuild_exception, replace_futures, worker_restrictions
@@ -149,7 +150,7 @@ class Client(DaskCollections):
         # a scheduler in another process of this host keeps the tasks' payloads: their
         # large arguments are handed over to it in shared memory (it forwards them)
         self._hand_over = comm.destination == SAME_HOST
-        self._stream = BatchedSend(name=f"{self.id}-to-scheduler")
+        self._stream = BatchedSend(name=f"{self.id}-to-scheduler", on_unsendable=self._unsendable)
         self._stream.start(comm)
         self._pool = ConnectionPool(deserialize=True, timeout=self.timeout, security=self.security)
         self._reader = asyncio.ensure_future(self._read_scheduler(comm))
@@ -494,6 +495,26 @@ class Client(DaskCollections):
                 if isinstance(spec, RunSpec):
                     spec.handoff = True
         self._enqueue({"op": "update-graph", "tasks": tasks, "wanted": wanted})
+
+    def _unsendable(self, msg: Any, error: SerializationError) -> Any:
+        """An ``update-graph`` that cannot be serialized for the scheduler: a task's
+        arguments hold a value that does not pickle. Each such task is sent with a
+        payload that raises the error instead (so it, and what depends on it, err as
+        any failing task does, and the connection and the other tasks carry on)."""
+        if not (isinstance(msg, dict) and msg.get("op") == "update-graph" and self._comm is not None):
+            logger.error("dropped a message to the scheduler that cannot be serialized: %s", error)
+            return None
+        destination = self._comm.destination
+        tasks = []
+        for task in msg.get("tasks") or ():
+            try:
+                prepare({"payload": task.get("payload")}).frames(destination, leases=False)
+            except SerializationError as exc:
+                text = f"the arguments of task {short_repr(task.get('key'))} cannot be sent to the scheduler: {exc}"
+                logger.warning("%s", text)
+                task = {**task, "deps": [], "payload": to_serialize(RunSpec(raise_serialization_error, (text,), {}))}
+            tasks.append(task)
+        return {**msg, "tasks": tasks}
 
     # -- results
 

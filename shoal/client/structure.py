@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import GraphError, KilledWorker, LostDataError, RemoteError
+from ..errors import GraphError, KilledWorker, LostDataError, RemoteError, SerializationError
 from ..taskspec import Ref
 from .future import Future, _unwrap
 
@@ -93,6 +93,8 @@ def rebuild_exception(msg: dict[str, Any]) -> BaseException:
             exc = ValueError(text.removeprefix("ValueError: "))
         elif kind == "KeyError":
             exc = KeyError(text.removeprefix("KeyError: "))
+        elif text.startswith("SerializationError: "):  # a value of the task's that could not travel
+            exc = SerializationError(text.removeprefix("SerializationError: "))
         else:
             exc = RemoteError(text or f"task {msg.get('key')!r} failed", text.split(":")[0], str(msg.get("traceback") or ""))
     tb = msg.get("traceback")

@@ -110,6 +110,12 @@ class Comm(abc.ABC):
         closed the comm, :class:`~shoal.errors.CommBrokenError` if the peer broke it.
         """
 
+    def write_nowait(self, msg: Any) -> bool:
+        """Send one message without awaiting, if this transport can now: ``True`` when
+        it took the message, ``False`` (and nothing done) when the caller must
+        :meth:`write` instead. Raises like :meth:`write`. This default never can."""
+        return False
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Close gracefully: queued outgoing data is sent first. Never raises."""

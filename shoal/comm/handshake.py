@@ -126,9 +126,12 @@ async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, t
             raise HandshakeError(
                 f"refused connection {_direction(role)} {peer}: no handshake within {timeout:.0f}s"
             ) from None
-        except (ShoalError, OSError) as exc:
+        except (ShoalError, OSError, MemoryError) as exc:
             comm.abort()
             raise HandshakeError(f"refused connection {_direction(role)} {peer}: {exc}") from exc
+    except BaseException:
+        comm.abort()  # whatever ended it (cancelled, a bug): no half-open connection is left
+        raise
     finally:
         if probe is not None:
             shm.unlink(probe[0])
@@ -155,12 +158,14 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
                        auth=True)
     n_connector, n_acceptor = (nonce, theirs) if role == CONNECTOR else (theirs, nonce)
     other = ACCEPTOR if role == CONNECTOR else CONNECTOR
+    # None when /dev/shm cannot take one (full, no descriptors left): this connection
+    # then offers no shared memory, which the peer's answer (can_map false) records
     probe = shm.probe()
-    mine = HandshakeAuthMsg(
-        proof=None if secret is None else proof(secret, role, n_connector, n_acceptor),
-        pid=os.getpid(), host=host_identity(), shm_probe=None if probe is None else list(probe),
-    )
     try:
+        mine = HandshakeAuthMsg(
+            proof=None if secret is None else proof(secret, role, n_connector, n_acceptor),
+            pid=os.getpid(), host=host_identity(), shm_probe=None if probe is None else list(probe),
+        )
         await comm.write(to_wire(mine))
         info = await _read(comm, HandshakeAuthMsg, timeout)
         if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.proof):

@@ -28,6 +28,7 @@ import collections
 import errno
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import pickle
@@ -65,6 +66,8 @@ __all__ = [
     "work_off",
     "placements",
 ]
+
+logger = logging.getLogger("shoal.comm.shm")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shoal-"
@@ -197,7 +200,9 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     buffers: list[pickle.PickleBuffer] = []
     try:
         data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a __reduce__ may raise anything: the value stays private
         return None
     raws = [b.raw() for b in buffers]
     big = sum(r.nbytes for r in raws)
@@ -769,7 +774,11 @@ def _align(n: int) -> int:
 
 
 def probe() -> tuple[str, str] | None:
-    """Create a probe segment holding a random token; returns ``(name, token)``.
+    """Create a probe segment holding a random token; returns ``(name, token)``, or
+    ``None`` when the data plane is off or the probe cannot be made (``/dev/shm`` full,
+    out of descriptors, any ``OSError``): the connection then offers no shared memory
+    and its values travel over tcp. The first such failure of a process is logged as a
+    warning; a probe that could not be completed is removed at once.
 
     The caller unlinks it (:func:`unlink`) once the peer has answered.
     """
@@ -777,17 +786,45 @@ def probe() -> tuple[str, str] | None:
         return None
     name = _new_name("probe")
     token = secrets.token_hex(16)
+    path = _path(name)
     try:
-        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    except OSError:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        _probe_failed(exc)
         return None
     with _lock:
         _owned.add(name)
     try:
-        os.write(fd, token.encode())
-    finally:
-        os.close(fd)
+        try:
+            data = token.encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write of the probe token")
+        finally:
+            os.close(fd)
+    except BaseException as exc:
+        try:
+            unlink(name)  # an empty probe in a full /dev/shm: never left behind
+        except OSError:
+            pass
+        if not isinstance(exc, OSError):
+            raise
+        _probe_failed(exc)
+        return None
     return name, token
+
+
+_probe_warned = False
+
+
+def _probe_failed(exc: OSError) -> None:
+    global _probe_warned
+    if _probe_warned:
+        logger.debug("no shared-memory probe for a connection: %s", exc)
+        return
+    _probe_warned = True
+    logger.warning("cannot create a shared-memory probe in %s (%s): connections of this process "
+                   "offer no shared memory until one can be made; their values travel over tcp "
+                   "(this is said once)", SHM_DIR, exc)
 
 
 def check_probe(name: Any, token: Any) -> bool:

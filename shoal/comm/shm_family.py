@@ -236,7 +236,9 @@ def shm_bytes(obj: Any) -> int:
     buffers: list[pickle.PickleBuffer] = []
     try:
         pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a __reduce__ may raise anything; sending it says what
         return 0
     total = 0
     for b in buffers:

@@ -104,7 +104,9 @@ def describe_kept(value: Any) -> SegmentInfo | None:
     buffers: list[pickle.PickleBuffer] = []
     try:
         data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    except Exception:
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a __reduce__ may raise anything: keep it as it is
         return None
     spans: list[list[int]] = []
     segment = None

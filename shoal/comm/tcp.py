@@ -519,6 +519,11 @@ class TCPListener(Listener):
         except HandshakeError as exc:
             self._log_refusal(str(exc))
             return
+        except Exception:
+            # a bug: said loudly, and only this connection pays
+            logger.exception("the handshake with %s failed; closing the connection", comm.peer_address)
+            comm.abort()
+            return
         finally:
             self._strangers -= 1
             left = self._strangers_by_host.get(host, 1) - 1
@@ -593,6 +598,7 @@ class TCPBackend(Backend):
                 )
                 if isinstance(protocol.error, ProtocolError):
                     # the peer's first bytes were not shoal's
+                    transport.abort()
                     raise HandshakeError(f"refused connection to {address}: {protocol.error}")
                 local = transport.get_extra_info("sockname")
                 comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme), address, deserialize)
@@ -601,7 +607,8 @@ class TCPBackend(Backend):
                 # the peer's certificate (or ours, to the peer) is not the cluster's
                 raise HandshakeError(f"refused connection to {address}: TLS handshake failed: {exc}") from exc
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if exc.errno in _OUT_OF_RESOURCES:
+                    # this process's trouble, not the peer's: waiting here would not help
                     raise _descriptor_error(exc, address) from exc
                 if loop.time() + delay >= deadline:
                     raise CommConnectError(f"could not connect to {address} within {timeout}s: {exc!r}") from exc
@@ -630,12 +637,18 @@ class TCPBackend(Backend):
         return TCPListener(location, handler, deserialize, security)
 
 
+#: errors of this process's own resources: they fail the connection at hand at once
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
 def _descriptor_error(exc: OSError, peer: str) -> CommError:
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         return CommConnectError(
             f"cannot open a connection to {peer}: this process is out of file descriptors "
             f"({exc.strerror}); raise the limit (ulimit -n) or open fewer connections"
         )
+    if exc.errno in (errno.ENOMEM, errno.ENOBUFS):
+        return CommConnectError(f"cannot open a connection to {peer}: out of memory for a socket ({exc.strerror})")
     return CommBrokenError(f"connection to {peer} failed as it was set up: {exc}")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from contextvars import ContextVar
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -37,10 +38,10 @@ from .serialize import (
     REMOTE,
     Serialize,
     Serialized,
-    _describe_failure,
     _family_for,
     _forwarding,
     deserialize as _deserialize,
+    family_dumps,
     sizeof,
 )
 
@@ -124,11 +125,7 @@ class Prepared:
                     fam = _family_for(obj, destination)
                     with collecting([] if leases else None) as taken:
                         try:
-                            fheader, fframes = fam.dumps(obj, destination)
-                        except SerializationError:
-                            raise
-                        except Exception as exc:
-                            raise _describe_failure(obj, exc, _path_of(self.paths_src, i)) from exc
+                            fheader, fframes = family_dumps(fam, obj, destination, partial(_path_of, self.paths_src, i))
                         finally:
                             self.leases.extend(taken or ())
                     family = fam.name

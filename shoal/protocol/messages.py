@@ -16,7 +16,9 @@ hold task keys, checked by :func:`key_problem`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import math
+from collections.abc import Hashable
+from typing import Any, ClassVar, TypeAlias
 
 import msgspec
 
@@ -30,6 +32,7 @@ __all__ = [
     "SegmentInfo",
     "segment_info",
     "MAX_KEY_DEPTH",
+    "Key",
     "WORKER_TO_SCHEDULER",
     "SCHEDULER_TO_WORKER",
     "CLIENT_TO_SCHEDULER",
@@ -40,17 +43,34 @@ __all__ = [
     "ALL_OPS",
 ]
 
+#: a task key: what :func:`key_problem` accepts (a str, bytes, a 64-bit int, a finite
+#: float, or tuples of these); to the type checker, any hashable value. The one
+#: definition: every layer imports it from here
+Key: TypeAlias = Hashable
+
 #: how deeply tuples may nest in a key
 MAX_KEY_DEPTH = 16
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def key_problem(key: Any, depth: int = 0) -> str | None:
-    """Why ``key`` is not a task key (str, bytes, 64-bit int, float, or a tuple of keys
-    nested at most :data:`MAX_KEY_DEPTH` deep), or None if it is one."""
+    """Why ``key`` is not a task key (a str of valid Unicode, bytes, a 64-bit int, a
+    finite float, or a tuple of keys nested at most :data:`MAX_KEY_DEPTH` deep), or
+    None if it is one."""
     typ = type(key)
-    if typ is str or typ is bytes or typ is float:
+    if typ is str:
+        if key.isascii():
+            return None
+        try:
+            key.encode()
+        except UnicodeEncodeError as exc:
+            return f"a str key must be valid Unicode ({exc.reason} at {exc.start})"
         return None
+    if typ is bytes:
+        return None
+    if typ is float:
+        # NaN equals nothing, itself included: a NaN key could never be found again
+        return None if math.isfinite(key) else "a float key must be finite"
     if typ is int:
         return None if _INT_MIN <= key <= _INT_MAX else f"an int key must fit in 64 bits ({key.bit_length()} bits)"
     if typ is tuple:

@@ -29,7 +29,7 @@ from typing import Any
 
 import cloudpickle
 
-from ..errors import SerializationError
+from ..errors import SerializationError, describe, short_repr
 
 __all__ = [
     "SAME_PROCESS",
@@ -241,13 +241,22 @@ def serialize(obj: Any, destination: str = REMOTE) -> Serialized:
     if isinstance(obj, Serialize):
         obj = obj.data
     fam = _family_for(obj, destination)
-    try:
-        header, frames = fam.dumps(obj, destination)
-    except SerializationError:
-        raise
-    except Exception as exc:
-        raise _describe_failure(obj, exc, "") from exc
+    header, frames = family_dumps(fam, obj, destination)
     return Serialized(fam.name, header, frames)
+
+
+def family_dumps(fam: _Family, obj: Any, destination: str,
+                 where: Callable[[], str] | None = None) -> tuple[Header, Frames]:
+    """``fam.dumps(obj, destination)``; whatever it raises (a user's ``__reduce__`` may
+    raise anything, ``SystemExit`` included) becomes a :class:`SerializationError`
+    naming the part of ``obj`` that failed (``where()``: the place of ``obj`` in its
+    message, asked for only then), with the original as its cause."""
+    try:
+        return fam.dumps(obj, destination)
+    except (SerializationError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see above
+        raise _describe_failure(obj, exc, "" if where is None else where()) from exc
 
 
 def deserialize(s: Serialized) -> Any:
@@ -263,23 +272,29 @@ def deserialize(s: Serialized) -> Any:
 def _describe_failure(obj: Any, exc: BaseException, path: str) -> SerializationError:
     """Find the innermost part of ``obj`` that fails to pickle and name where it is."""
     where, culprit = _find_unpicklable(obj, path, depth=0)
-    return SerializationError(
-        f"cannot serialize {_typename(culprit)!r} at {where or '<value>'}: "
-        f"{type(exc).__name__}: {exc}"
-    )
+    return SerializationError(f"cannot serialize {_typename(culprit)!r} at {where or '<value>'}: {describe(exc)}")
 
 
 def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any]:
+    """The innermost part of ``obj`` that fails to pickle, and its path: into dicts,
+    lists, tuples and objects that name their parts (``__serialization_parts__``, a
+    list of ``(name, value)``: a task's function and arguments)."""
     if depth < 50:
         items: list[tuple[str, Any]] = []
         if type(obj) is dict:
-            items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+            items = [(f"{path}[{short_repr(k)}]", v) for k, v in obj.items()]
         elif type(obj) in (list, tuple):
             items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        else:
+            parts = getattr(type(obj), "__serialization_parts__", None)
+            if parts is not None:
+                items = [(f"{path}.{name}" if path else name, v) for name, v in parts(obj)]
         for sub_path, value in items:
             try:
                 pickle_dumps(value, buffer_callback=lambda b: None)
-            except Exception:
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 - as in serialize()
                 return _find_unpicklable(value, sub_path, depth + 1)
     return path, obj
 
@@ -411,8 +426,20 @@ def _bytes_loads(header: Header, frames: Sequence[Any]) -> Any:
     return _cast_back(frame, header["format"], header["shape"])
 
 
-def sizeof(obj: Any) -> int:
-    """A cheap estimate of the bytes ``obj`` occupies, used to decide on offloading."""
+def sizeof(obj: Any, strict: bool = False) -> int:
+    """A cheap estimate of the bytes ``obj`` occupies, used to decide on offloading.
+    An object that cannot say its size (its ``nbytes`` or ``__sizeof__`` raises) counts
+    as 64 bytes; with ``strict`` the error is raised instead (a worker measuring a
+    task's result fails that task with it)."""
+    try:
+        return _sizeof(obj)
+    except Exception:  # noqa: BLE001 - a user's nbytes/__sizeof__ may raise anything
+        if strict:
+            raise
+        return 64
+
+
+def _sizeof(obj: Any) -> int:
     if isinstance(obj, Serialize):
         obj = obj.data
     if isinstance(obj, Serialized):

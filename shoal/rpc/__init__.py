@@ -1,6 +1,6 @@
 """Request/response servers, proxies, a connection pool and batched streams."""
 
-from .batched import BatchedSend, read_batch, send_heartbeats
+from .batched import BatchedSend, read_batch, send_heartbeats, without_values
 from .core import Server, error_message, raise_error_message, request, result_of, send_recv
 from .pool import ConnectionPool, PooledRPC, rpc
 
@@ -8,6 +8,7 @@ __all__ = [
     "BatchedSend",
     "read_batch",
     "send_heartbeats",
+    "without_values",
     "ConnectionPool",
     "PooledRPC",
     "Server",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from .. import config
 from ..comm import Comm
-from ..errors import CommClosedError, CommError, DeserializationError, ProtocolError
+from ..errors import CommClosedError, CommError, DeserializationError, ProtocolError, SerializationError
 
-__all__ = ["BatchedSend", "read_batch", "send_heartbeats"]
+__all__ = ["BatchedSend", "read_batch", "send_heartbeats", "without_values"]
 
 logger = logging.getLogger("shoal.rpc.batched")
 
@@ -30,10 +31,19 @@ class BatchedSend:
     with the next message that must go now, in the order sent, costing no write or
     wake-up of its own.
     The reader receives lists. ``close()`` flushes what is pending, then closes the comm.
+
+    A message that cannot be serialized for the peer (a user's value in it does not
+    pickle) costs that message, not the stream: the batch it was in is sent again one
+    message at a time, and each message that fails is handed to ``on_unsendable(msg,
+    error)``, which returns what to send instead (the message without the value, say)
+    or ``None``; the others go out, in order. Without ``on_unsendable`` the message is
+    dropped with an error in the log.
     """
 
     def __init__(self, interval: float | None = None, name: str = "", burst: int | None = None,
-                 lazy_delay: float | None = None):
+                 lazy_delay: float | None = None,
+                 on_unsendable: Callable[[Any, SerializationError], Any] | None = None):
+        self.on_unsendable = on_unsendable
         self.interval = config.get("batched-interval") if interval is None else interval
         self.burst = config.get("batched-burst") if burst is None else burst
         self.lazy_delay = config.get("batched-lazy-delay") if lazy_delay is None else lazy_delay
@@ -90,8 +100,7 @@ class BatchedSend:
     def _write_now(self, batch: list[Any]) -> bool:
         """A quiet stream hands a batch to the comm at once, without waiting for the
         next turn of the loop, when the comm can take it synchronously."""
-        write_nowait = getattr(self.comm, "write_nowait", None)
-        if write_nowait is None or self._loop is None:
+        if self.comm is None or self._loop is None:
             return False
         now = self._loop.time()
         recent = self._recent
@@ -100,14 +109,16 @@ class BatchedSend:
         if len(recent) >= self.burst:
             return False
         try:
-            if not write_nowait(batch):
+            if not self.comm.write_nowait(batch):
                 return False
-        except CommError:
-            return False  # the background task sees the same error and stops the stream
+        except (CommError, SerializationError):
+            # the background task sees the same error: it stops the stream (a comm
+            # error) or sends the batch a message at a time (a value that does not
+            # serialize)
+            return False
         except Exception:
             logger.exception("batched stream %s: cannot send a batch; aborting the stream", self.name)
             self._closing = True
-            assert self.comm is not None
             self.comm.abort()
             return True
         recent.append(now)
@@ -141,7 +152,10 @@ class BatchedSend:
                 self.message_count += len(batch)
                 self.batch_count += 1
                 recent.append(loop.time())
-                await self.comm.write(batch)
+                try:
+                    await self.comm.write(batch)
+                except SerializationError:
+                    await self._send_one_by_one(batch)
                 if self._closing and not self.buffer:
                     return
         except CommError as exc:
@@ -154,6 +168,30 @@ class BatchedSend:
             logger.exception("batched stream %s: cannot send a batch; aborting the stream", self.name)
             self._closing = True
             self.comm.abort()
+
+    async def _send_one_by_one(self, batch: list[Any]) -> None:
+        """Send ``batch`` a message at a time; what does not serialize goes to
+        ``on_unsendable`` (nothing was written of a message whose serialization failed)."""
+        assert self.comm is not None
+        for msg in batch:
+            try:
+                await self.comm.write([msg])
+                continue
+            except SerializationError as exc:
+                error = exc
+            op = msg.get("op") if isinstance(msg, dict) else None
+            instead = None
+            if self.on_unsendable is not None:
+                instead = self.on_unsendable(msg, error)
+            else:
+                logger.error("batched stream %s: dropped a %r message that cannot be serialized: %s",
+                             self.name, op, error)
+            if instead is not None:
+                try:
+                    await self.comm.write([instead])
+                except SerializationError as exc:
+                    logger.error("batched stream %s: dropped a %r message that cannot be serialized, even "
+                                 "without its values: %s", self.name, op, exc)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Flush pending messages (waiting at most ``timeout``) and close the comm."""
@@ -179,6 +217,25 @@ class BatchedSend:
             self._task.cancel()
         if self.comm is not None:
             self.comm.abort()
+
+
+def without_values(msg: Any, error: SerializationError) -> Any:
+    """An ``on_unsendable`` for streams of reports (``task-finished``,
+    ``key-in-memory``, ``task-erred``): the message without the value that came along
+    (the receiver fetches it from its holder, and hears then why it cannot travel)
+    and without the exception object (the receiver rebuilds the error from its type
+    and text); ``None`` for a message that has neither."""
+    if not isinstance(msg, dict) or not (msg.get("value") is not None or msg.get("exception") is not None
+                                         or not isinstance(msg.get("traceback"), (str, type(None)))):
+        logger.error("dropped a %r message that cannot be serialized: %s", msg.get("op") if isinstance(msg, dict)
+                     else type(msg).__name__, error)
+        return None
+    instead = {k: v for k, v in msg.items() if k != "value"}
+    if "exception" in instead:
+        instead["exception"] = None
+    if not isinstance(instead.get("traceback"), (str, type(None))):
+        instead["traceback"] = None
+    return instead
 
 
 async def read_batch(comm: Comm) -> list[Any]:

@@ -30,6 +30,7 @@ from ..errors import (
     DeserializationError,
     RemoteError,
     SerializationError,
+    describe,
 )
 from ..protocol import Serialize, Serialized, to_serialize
 from ..protocol.messages import Msg, decode
@@ -46,11 +47,16 @@ _PLAIN_RESULTS = frozenset({type(None), bool, int, float, str, bytes, list, tupl
 def error_message(exc: BaseException, with_exception: bool = True) -> dict[str, Any]:
     """The response that carries ``exc`` (its type, text, traceback, and the object)."""
     typ = type(exc)
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except BaseException:  # noqa: BLE001 - formatting calls the exception's own methods
+        tb = ""
+    text = describe(exc)
     return {
         "status": "error",
         "type": f"{typ.__module__}.{typ.__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "message": text.partition(": ")[2] if text.startswith(typ.__qualname__ + ": ") else text,
+        "traceback": tb,
         "exception": to_serialize(exc) if with_exception else None,
     }
 
@@ -205,7 +211,7 @@ class Server:
                 response = {"status": "OK", "result": result}
             except (CommClosedError, asyncio.CancelledError):
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a user object's __reduce__ may raise SystemExit
                 response = error_message(exc)
             if reply and not await self._reply(comm, response):
                 return

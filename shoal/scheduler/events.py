@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-Key = Hashable
+from ..protocol.messages import Key
 
 
 # ------------------------------------------------------------------------------ events

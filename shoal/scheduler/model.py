@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .events import NewTask
+from ..protocol.messages import Key
 
 __all__ = ["InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
-
-Key = Hashable
 
 
 class InvalidTransition(RuntimeError):

@@ -17,13 +17,14 @@ import itertools
 import logging
 import os
 import time
+from functools import partial
 from typing import Any
 
 from .. import config
 from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError
+from ..errors import CommError, ProtocolError, SerializationError, short_repr
 from ..protocol import REMOTE, Serialized
 from ..protocol.serialize import forwarded
 from ..protocol.messages import (
@@ -49,7 +50,7 @@ from ..protocol.messages import (
     key_problem,
     to_wire,
 )
-from ..rpc import BatchedSend, Server, read_batch
+from ..rpc import BatchedSend, Server, read_batch, without_values
 from .state import (
     AddClientEvent,
     AddWorkerEvent,
@@ -206,7 +207,7 @@ class Scheduler:
             await _reply_error(comm, f"nthreads must be a positive integer, got {nthreads!r}")
             return
         await comm.write({"status": "OK", "address": self.address})
-        stream = BatchedSend(name=f"to-{address}")
+        stream = BatchedSend(name=f"to-{address}", on_unsendable=partial(self._unsendable_to_worker, address))
         stream.start(comm)
         self.worker_streams[address] = stream
         self.worker_comms[address] = comm
@@ -294,7 +295,7 @@ class Scheduler:
         same_host = pid > 0 and pid != os.getpid() and comm.peer_info.get("host") == local_info()["host"]
         if same_host:
             shm_handover.return_to.add(pid)
-        stream = BatchedSend(name=f"to-{client}")
+        stream = BatchedSend(name=f"to-{client}", on_unsendable=without_values)
         stream.start(comm)
         self.client_streams[client] = stream
         self._apply(AddClientEvent(self._stimulus("add-client"), client))
@@ -426,6 +427,21 @@ class Scheduler:
             logger.error("task %r: %s", inst.key, text)
             self._apply(TaskErredEvent(self._stimulus("unsendable"), inst.worker, inst.key, None, None, text))
             return None
+
+    def _unsendable_to_worker(self, address: str, msg: Any, error: SerializationError) -> Any:
+        """A message to worker ``address`` that cannot be serialized for it: a task
+        whose payload came by reference from a client of this process holds a value that
+        does not pickle. That task errs (the worker never hears of it); other messages
+        carry no user values and are only logged."""
+        if isinstance(msg, dict) and msg.get("op") == "compute-task":
+            key = msg.get("key")
+            text = f"SerializationError: task {short_repr(key)} cannot be sent to {address}: {error}"
+            logger.warning("%s", text)
+            self._apply(TaskErredEvent(self._stimulus("unsendable"), address, key, None, None, text))
+            return None
+        logger.error("dropped a %r message to %s that cannot be serialized: %s",
+                     msg.get("op") if isinstance(msg, dict) else type(msg).__name__, address, error)
+        return None
 
     def _send_worker(self, address: str, msg: dict[str, Any], lazy: bool = False) -> None:
         stream = self.worker_streams.get(address)

@@ -47,7 +47,7 @@ import heapq
 import math
 import itertools
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..protocol.messages import CancelledKeyMsg, KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
@@ -83,6 +83,7 @@ from .model import (
     find_cycle,
     topological,
 )
+from ..protocol.messages import Key
 from .validation import validate_state
 
 # the task durations the scheduler averages are clamped to this range (seconds)
@@ -116,7 +117,6 @@ __all__ = [
     "CloseWorkerStream",
 ]
 
-Key = Hashable
 
 #: tasks a worker holds beyond its thread count, so input fetches overlap compute
 DEFAULT_AHEAD = 2

@@ -10,6 +10,7 @@ requests are served from the loop while tasks compute.
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -22,11 +23,12 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, SerializationError
+from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
+from ..errors import AuthenticationError, CommBrokenError, HandshakeError
 from .. import config
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats
+from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
 from ..protocol.messages import (
     SCHEDULER_TO_WORKER,
     WORKER_REQUESTS,
@@ -126,7 +128,8 @@ class Worker:
             raise
         self.store = WorkerStore()
         self.state = WorkerState(self.address, self.nthreads, data=self.store,
-                                 queued=config.get("executor-queue"))
+                                 queued=config.get("executor-queue"),
+                                 max_peer_failures=max(1, config.get("gather-peer-failures")))
         await comm.write({
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
             "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
@@ -145,7 +148,7 @@ class Worker:
         self._born_in_shm = self.use_shm and threshold > 0 and shm_born.enable_array_allocator(threshold)
         if self.use_shm and config.get("shm-pool-idle") > 0:
             self._spawn(self._trim_pool(config.get("shm-pool-idle")))
-        self.stream = BatchedSend(name="to-scheduler")
+        self.stream = BatchedSend(name="to-scheduler", on_unsendable=without_values)
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
         if config.get("heartbeat-interval") > 0:
@@ -269,39 +272,47 @@ class Worker:
         report = ts.report
 
         def work() -> None:
-            segment: shm.Segment | None = None
             if ts.state != "executing":
                 # released while it waited for a thread: report at once, run nothing
-                event: Any = ExecuteFailureEvent(f"task-skipped-{key}", key, None, "", "released before it ran")
-                try:
-                    loop.call_soon_threadsafe(self._apply_result, event, None)
-                except RuntimeError:
-                    pass
+                report_back(ExecuteFailureEvent(f"task-skipped-{key}", key, None, "", "released before it ran"), None)
                 return
+            segment: shm.Segment | None = None
+            event: ExecuteSuccessEvent | ExecuteFailureEvent
             try:
-                spec = payload
-                if isinstance(spec, Serialize):
-                    spec = spec.data
-                elif isinstance(spec, Serialized):
-                    spec = deserialize(spec)
-                if not isinstance(spec, RunSpec):
-                    raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
-                start = time.perf_counter()
-                value = run(spec, deps)
-                duration = time.perf_counter() - start
-            except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                event = ExecuteFailureEvent(
-                    f"task-erred-{key}", key, _exception_for(exc, destination),
-                    "".join(traceback.format_exception(exc)), f"{type(exc).__name__}: {exc}",
-                )
-            else:
-                nbytes = sizeof(value)
-                placed = self._place(value) if place else None
-                if placed is not None:
-                    segment, value = placed
-                inline = _inline(value, nbytes, destination) if report else None
-                event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, nbytes, duration,
-                                            None if segment is None else segment.info, inline)
+                try:
+                    spec = payload
+                    if isinstance(spec, Serialize):
+                        spec = spec.data
+                    elif isinstance(spec, Serialized):
+                        spec = deserialize(spec)
+                    if not isinstance(spec, RunSpec):
+                        raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
+                    start = time.perf_counter()
+                    value = run(spec, deps)
+                    duration = time.perf_counter() - start
+                except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+                    event = _failure(key, exc, destination)
+                else:
+                    try:
+                        nbytes = sizeof(value, strict=True)
+                    except BaseException as exc:  # noqa: BLE001 - the result's nbytes/__sizeof__
+                        exc.add_note(f"(raised while shoal measured the result of task {short_repr(key)}: "
+                                     "its nbytes or __sizeof__)")
+                        raise
+                    placed = self._place(value) if place else None
+                    if placed is not None:
+                        segment, value = placed
+                    inline = _inline(value, nbytes, destination) if report else None
+                    event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, nbytes, duration,
+                                                None if segment is None else segment.info, inline)
+            except BaseException as exc:  # noqa: BLE001 - whatever a result made us raise is its task's
+                if segment is not None:
+                    segment.unlink()
+                    segment = None
+                event = _failure(key, exc, destination)
+            report_back(event, segment)
+
+        def report_back(event: Any, segment: shm.Segment | None) -> None:
             try:
                 loop.call_soon_threadsafe(self._apply_result, event, segment)
             except RuntimeError:
@@ -311,33 +322,57 @@ class Worker:
         self.executor.submit(work).add_done_callback(_report_crash)
 
     async def _gather_dep(self, inst: GatherDep) -> None:
-        try:
-            comm = await self.pool.connect(inst.worker)
+        """Fetch ``inst.keys`` from peer ``inst.worker``. A failure that may pass (out of
+        descriptors or memory, here or at the peer) is tried again after a pause that
+        doubles, ``gather-attempts`` times in all; then the state machine hears of it."""
+        attempts = max(1, config.get("gather-attempts"))
+        delay = config.get("gather-retry-delay")
+        attempt = 1
+        while True:
             try:
-                await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
-                response = await comm.read()
-            except BaseException:
-                comm.abort()
-                raise
-            finally:
-                self.pool.reuse(inst.worker, comm)
-            if isinstance(response, dict) and response.get("type") == _UNSENDABLE:
-                # the peer is fine; its values cannot travel: asking again would not help
-                text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
-                destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
-                self._apply(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
-                                                  text, _exception_for(SerializationError(text), destination)))
+                await self._fetch(inst)
                 return
-            if not isinstance(response, dict) or response.get("status") != "OK":
-                raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
-            data = response["result"]["data"]
-            nbytes = {k: sizeof(v) for k, v in data.items()}
-            self._apply(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
-        except asyncio.CancelledError:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if attempt < attempts and self.status == "running" and _may_pass(exc):
+                    logger.info("fetching %d keys from %s failed (attempt %d of %d; again in %.2fs): %s",
+                                len(inst.keys), inst.worker, attempt, attempts, delay, describe(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, _MAX_RETRY_DELAY)
+                    attempt += 1
+                    continue
+                logger.info("fetching %d keys from %s failed (attempt %d of %d): %s",
+                            len(inst.keys), inst.worker, attempt, attempts, describe(exc))
+                text = f"could not fetch {short_repr(inst.keys, 200)} from {inst.worker} ({attempt} attempt(s)): {describe(exc)}"
+                destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+                self._apply(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
+                                                  exception=_exception_for(_fetch_error(exc, text), destination)))
+                return
+
+    async def _fetch(self, inst: GatherDep) -> None:
+        """One attempt of :meth:`_gather_dep`: raises if it did not get an answer."""
+        comm = await self.pool.connect(inst.worker)
+        try:
+            await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
+            response = await comm.read()
+        except BaseException:
+            comm.abort()
             raise
-        except Exception as exc:
-            logger.info("fetching %d keys from %s failed: %s", len(inst.keys), inst.worker, exc)
-            self._apply(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, str(exc)))
+        finally:
+            self.pool.reuse(inst.worker, comm)
+        if isinstance(response, dict) and response.get("type") == _UNSENDABLE:
+            # the peer is fine; its values cannot travel: asking again would not help
+            text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
+            destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+            self._apply(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
+                                              text, _exception_for(SerializationError(text), destination)))
+            return
+        if not isinstance(response, dict) or response.get("status") != "OK":
+            raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
+        data = response["result"]["data"]
+        nbytes = {k: sizeof(v) for k, v in data.items()}
+        self._apply(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
 
     # -- rpc handlers
 
@@ -346,10 +381,14 @@ class Worker:
         reported, so that same-host peers never need this worker to serve it)."""
         try:
             return shm.place(value, config.get("shm-threshold"))
-        except shm.ShmUnavailable as exc:
+        except (shm.ShmUnavailable, OSError, MemoryError) as exc:
+            # no room (a full /dev/shm, ENOMEM mapping it): the value stays private
             if not self._shm_warned:
                 self._shm_warned = True
-                logger.warning("%s", exc)
+                logger.warning("a result stays in this worker's private memory: %s", describe(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - the value does not pickle: it cannot leave this process
+            logger.debug("a result stays in private memory: %s", describe(exc))
             return None
 
     def _apply_result(self, event: Any, segment: Any) -> None:
@@ -492,15 +531,60 @@ def _report_crash(fut: Any) -> None:
         logger.error("a task thread failed outside the task itself", exc_info=exc)
 
 
+def _failure(key: Any, exc: BaseException, destination: str) -> ExecuteFailureEvent:
+    """The event of a task that raised ``exc`` (its function, or anything shoal did
+    with its result): the exception as it can travel, its traceback and text, made
+    whatever the exception's ``__str__`` or ``__reduce__`` do."""
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except BaseException:  # noqa: BLE001 - formatting calls the exception's methods
+        tb = ""
+    return ExecuteFailureEvent(f"task-erred-{key}", key, _exception_for(exc, destination), tb, describe(exc))
+
+
 def _exception_for(exc: BaseException, destination: str) -> Any:
     """The exception as it can travel to the client: the object in-process, else
-    serialized now (so an unpicklable exception does not break the stream)."""
+    serialized now (so an unpicklable exception does not break the stream); ``None``
+    when it cannot be (the client rebuilds it from its type name and text)."""
     if destination == SAME_PROCESS:
         return to_serialize(exc)
     try:
         return serialize(exc, destination)
     except Exception:
         return None
+
+
+#: the longest pause between two attempts of one fetch
+_MAX_RETRY_DELAY = 2.0
+#: errnos of a process out of resources: the operation that hit one may work later
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def _may_pass(exc: BaseException) -> bool:
+    """Whether a fetch that failed with ``exc`` may work if tried again soon: this
+    process (or the peer, which then drops the connection during its handshake) ran out
+    of descriptors or memory. A refusal, a timeout (connecting waited already), a peer
+    that broke off a request or a bad answer are not tried again."""
+    if isinstance(exc, AuthenticationError):
+        return False
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _OUT_OF_RESOURCES):
+            return True
+        e = e.__cause__ or e.__context__
+    return isinstance(exc, HandshakeError) and isinstance(exc.__cause__, (CommBrokenError, ConnectionError))
+
+
+def _fetch_error(exc: BaseException, text: str) -> CommError:
+    """The error the tasks that needed a fetched value see if this worker gives up on
+    the fetch: of the fetch's own type (a :class:`CommError`), saying what was fetched."""
+    cls = type(exc) if isinstance(exc, CommError) else CommError
+    try:
+        return cls(text)
+    except Exception:  # a subclass with another signature
+        return CommError(text)
 
 
 #: the error type of a get-data answer whose values could not be serialized

@@ -17,6 +17,14 @@ dependency to fetch from peers. States::
                  ^--------/ (missing on that peer: the next holder; none left: the tasks
                             that need it go back to the scheduler, ``reschedule``)
 
+A fetch that fails (the server has already retried it, with backoff, as often as
+``gather-attempts`` says) counts against its peer. After ``max_peer_failures`` failed
+fetches from one peer in a row, the tasks that need a value only that peer holds err
+with the fetch's error instead of going back to the scheduler once more: the scheduler
+would send them here again, and the same fetch would fail again (a peer this worker
+cannot reach, a worker out of descriptors). A fetch from that peer that succeeds
+clears its count.
+
 The worker runs at most ``nthreads`` tasks at once and takes more from the scheduler
 than it can run, so it fetches the inputs of the next tasks while computing. Up to
 ``queued`` more tasks whose inputs are all here are handed to the thread pool ahead
@@ -36,9 +44,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Hashable, MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..protocol.messages import Key
 
 __all__ = [
     "WorkerState",
@@ -59,8 +69,6 @@ __all__ = [
 
 #: the pseudo-peer that stands for "map it from shared memory" in fetch bookkeeping
 SHM = "shm://"
-
-Key = Hashable
 
 
 @dataclass(eq=False)
@@ -154,6 +162,9 @@ class GatherDepFailureEvent(Event):
     #: the peer answered, but cannot send these values here (they do not serialize):
     #: the error (as it travels in ``task-erred``) for the tasks that need them
     unsendable: Any = None
+    #: why the fetch failed, as it travels in ``task-erred``: the tasks that need these
+    #: values err with it if this worker gives up on the peer (``max_peer_failures``)
+    exception: Any = None
 
 
 @dataclass
@@ -209,11 +220,14 @@ class WorkerState:
         max_gathers: int = 4,
         log_size: int = 10_000,
         queued: int = 0,
+        max_peer_failures: int = 3,
     ):
         if nthreads < 1:
             raise ValueError(f"a worker needs at least one thread, got {nthreads}")
         if queued < 0:
             raise ValueError(f"queued must be >= 0, got {queued}")
+        if max_peer_failures < 1:
+            raise ValueError(f"max_peer_failures must be >= 1, got {max_peer_failures}")
         self.address = address
         self.nthreads = nthreads
         #: tasks handed to the thread pool at once: one per thread and ``queued`` more
@@ -226,6 +240,9 @@ class WorkerState:
         self.in_flight_workers: dict[str, set[WTask]] = {}
         self.gather_bytes = gather_bytes
         self.max_gathers = max_gathers
+        self.max_peer_failures = max_peer_failures
+        #: peer -> fetches from it that failed in a row (bounded: see _count_failure)
+        self.peer_failures: dict[str, int] = {}
         self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
         self._out: list[Instruction] = []
         self._seq = itertools.count()
@@ -372,6 +389,7 @@ class WorkerState:
         self._lose(ts)
 
     def _gather_success(self, ev: GatherDepSuccessEvent) -> None:
+        self.peer_failures.pop(ev.worker, None)
         flight = self.in_flight_workers.pop(ev.worker, set())
         for ts in sorted(flight):
             if ts.state != "flight":
@@ -393,12 +411,22 @@ class WorkerState:
                     ts.coming_from = None
                     self._shm_failed(ts)
             return
+        failures = self._count_failure(ev.worker)
         flight = self.in_flight_workers.pop(ev.worker, set())
         for ts in sorted(flight):
             if ts.state != "flight":
                 continue  # dropped while handling an earlier key of this request
             ts.coming_from = None
-            self._missing_on(ts, ev.worker)
+            if failures < self.max_peer_failures:
+                self._missing_on(ts, ev.worker)
+                continue
+            # given up on this peer: another holder, or the tasks that need it err
+            ts.who_has.discard(ev.worker)
+            if ts.who_has:
+                self._lose(ts)
+            else:
+                self._err_dependents(ts, ev.exception, f"cannot fetch input {ts.key!r} from {ev.worker}: "
+                                     f"{ev.text} ({failures} fetches from it failed in a row)")
         # the peer is unreachable: forget it as a holder of anything
         for ts in list(self.tasks.values()):
             if ev.worker in ts.who_has and self.tasks.get(ts.key) is ts:
@@ -414,13 +442,26 @@ class WorkerState:
             if ts.state != "flight":
                 continue
             ts.coming_from = None
-            for dts in sorted(d for d in ts.dependents if d.state == "waiting"):
-                if self.tasks.get(dts.key) is dts:
-                    self._send({"op": "task-erred", "key": dts.key, "exception": ev.unsendable,
-                                "traceback": "", "text": ev.text})
-                    self._release(dts)
-            if self.tasks.get(ts.key) is ts and not ts.dependents:
-                self._release(ts)
+            self._err_dependents(ts, ev.unsendable, ev.text)
+
+    def _err_dependents(self, ts: WTask, exception: Any, text: str) -> None:
+        """``ts``'s value cannot be had here: the local tasks waiting for it err with
+        ``exception`` (as it travels in ``task-erred``), and ``ts`` goes."""
+        for dts in sorted(d for d in ts.dependents if d.state == "waiting"):
+            if self.tasks.get(dts.key) is dts:
+                self._send({"op": "task-erred", "key": dts.key, "exception": exception,
+                            "traceback": "", "text": text})
+                self._release(dts)
+        if self.tasks.get(ts.key) is ts and not ts.dependents:
+            self._release(ts)
+
+    def _count_failure(self, peer: str) -> int:
+        """One more failed fetch from ``peer``; returns how many in a row."""
+        n = self.peer_failures.pop(peer, 0) + 1
+        self.peer_failures[peer] = n  # most recent last
+        if len(self.peer_failures) > _MAX_FAILING_PEERS:
+            del self.peer_failures[next(iter(self.peer_failures))]  # the peer failing longest ago
+        return n
 
     def _update_data(self, ev: UpdateDataEvent) -> None:
         for key, value in ev.data.items():
@@ -677,5 +718,8 @@ def _dependents_first(tasks: set[WTask]) -> list[WTask]:
                 order.append(ts)
     return order
 
+
+#: peers whose failures are counted at most (peers that left are never heard of again)
+_MAX_FAILING_PEERS = 1024
 
 _STATES = frozenset({"waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"})

@@ -7,14 +7,13 @@ counted once, in the segment) and the segment is unlinked when the key is delete
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 from ..comm import shm
+from ..protocol.messages import Key
 
 __all__ = ["WorkerStore"]
-
-Key = Hashable
 
 
 class WorkerStore(MutableMapping[Key, Any]):

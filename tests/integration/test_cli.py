@@ -4,44 +4,22 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 
 import shoal
-from shoal_helpers import auth_files, stop_processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def processes():
-    procs: list[subprocess.Popen] = []
-    before = auth_files()
-    yield procs
-    stop_processes(procs, before)
-
-
-def _start(procs, *args):
-    p = subprocess.Popen([sys.executable, "-m", "shoal", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    procs.append(p)
-    return p
+from shoal_helpers import free_port, start_shoal
 
 
 def test_scheduler_and_two_workers(processes):
-    port = _free_port()
-    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(port))
+    port = free_port()
+    sched = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(port))
     line = sched.stdout.readline()
     assert line.strip() == f"shoal scheduler at tcp://127.0.0.1:{port}"
     address = line.split()[-1]
-    workers = [_start(processes, "worker", address, "--nthreads", "2", "--name", f"w{i}") for i in range(2)]
+    workers = [start_shoal(processes, "worker", address, "--nthreads", "2", "--name", f"w{i}") for i in range(2)]
     for w in workers:
         assert w.stdout.readline().startswith("shoal worker at tcp://127.0.0.1:")
     with shoal.Client(address) as c:
@@ -72,12 +50,12 @@ def test_scheduler_and_two_workers(processes):
 
 
 def test_no_auth_works_between_no_auth_ends_and_warns(processes):
-    port = _free_port()
-    sched = _start(processes, "scheduler", "--port", str(port), "--no-auth")
+    port = free_port()
+    sched = start_shoal(processes, "scheduler", "--port", str(port), "--no-auth")
     address = sched.stdout.readline().split()[-1]
     warning = sched.stderr.readline()
     assert "WARNING" in warning and "--no-auth" in warning
-    worker = _start(processes, "worker", address, "--no-auth")
+    worker = start_shoal(processes, "worker", address, "--no-auth")
     assert worker.stdout.readline().startswith("shoal worker at ")
     with shoal.Client(address, security=shoal.Security(auth=False)) as c:
         assert c.submit(abs, -3).result(timeout=30) == 3
@@ -87,7 +65,7 @@ def test_no_auth_works_between_no_auth_ends_and_warns(processes):
 
 
 def test_worker_without_scheduler_fails_clearly(processes):
-    port = _free_port()
+    port = free_port()
     p = subprocess.run([sys.executable, "-m", "shoal", "worker", f"tcp://127.0.0.1:{port}"],
                        capture_output=True, text=True, timeout=60,
                        env={**__import__("os").environ, "SHOAL_CONNECT_TIMEOUT": "0.5"})
@@ -122,9 +100,9 @@ def test_worker_that_loses_its_scheduler_exits_and_releases_shared_memory(proces
 
     from shoal.comm import shm
 
-    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    sched = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()))
     address = sched.stdout.readline().split()[-1]
-    worker = _start(processes, "worker", address)
+    worker = start_shoal(processes, "worker", address)
     assert worker.stdout.readline().startswith("shoal worker at ")
     c = shoal.Client(address)
     try:
@@ -166,9 +144,9 @@ def test_arguments_from_a_client_in_another_process_are_handed_over_in_shared_me
 
         return float(a[0]), bool(a.flags.writeable), sorted(os.listdir("/dev/shm"))
 
-    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    sched = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()))
     address = sched.stdout.readline().split()[-1]
-    worker = _start(processes, "worker", address, "--nthreads", "1")
+    worker = start_shoal(processes, "worker", address, "--nthreads", "1")
     assert worker.stdout.readline().startswith("shoal worker at ")
     mine = set(shm.segments_of(os.getpid()))
     c = shoal.Client(address)
@@ -214,9 +192,9 @@ def test_a_client_killed_after_large_arguments_leaves_no_files(processes):
     from shoal.comm import shm
     from shoal.testing import wait_for
 
-    sched = _start(processes, "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
+    sched = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()))
     address = sched.stdout.readline().split()[-1]
-    worker = _start(processes, "worker", address, "--nthreads", "1")
+    worker = start_shoal(processes, "worker", address, "--nthreads", "1")
     assert worker.stdout.readline().startswith("shoal worker at ")
     code = (
         "import sys, numpy as np, shoal\n"

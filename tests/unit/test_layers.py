@@ -48,7 +48,7 @@ def test_state_machines_do_no_io():
 def test_public_api_is_pinned():
     assert sorted(shoal.__all__) == sorted([
         "__version__", "Client", "Future", "LocalCluster", "as_completed", "wait",
-        "CancelledError", "GraphError", "KilledWorker", "LostDataError",
+        "CancelledError", "GraphError", "InvalidKeyError", "KilledWorker", "LostDataError",
         "CommBrokenError", "CommClosedError", "CommConnectError", "CommError",
         "DeserializationError", "HandshakeError", "ProtocolError", "RemoteError",
         "SerializationError", "ShoalError",

@@ -76,6 +76,20 @@ def test_decode_names_the_op_and_the_field():
         M.decode(M.CLIENT_TO_SCHEDULER, {"op": "update-graph", "tasks": [{"key": 1 << 70}], "wanted": []})
 
 
+@pytest.mark.parametrize("priority", [[1, "a"], [1, 2.5], [None], "high", [[1]]])
+def test_a_compute_task_with_priorities_that_do_not_compare_is_refused(priority):
+    """Priorities order a worker's ready tasks (a heap): mixed types would raise in
+    the middle of the worker's state machine, so decoding refuses them."""
+    with pytest.raises(ProtocolError, match="priority"):
+        M.decode(M.SCHEDULER_TO_WORKER, {"op": "compute-task", "key": "k", "payload": None, "priority": priority})
+
+
+@pytest.mark.parametrize("key", [float("nan"), float("inf"), ("x", float("nan"))])
+def test_a_key_that_is_no_key_is_refused(key):
+    with pytest.raises(ProtocolError, match="finite"):
+        M.decode(M.WORKER_TO_SCHEDULER, {"op": "task-finished", "key": key})
+
+
 def test_new_fields_are_ignored_and_optional_ones_have_defaults():
     msg = M.decode(M.WORKER_TO_SCHEDULER, {"op": "task-finished", "key": ("x", 1), "from_the_future": 1})
     assert msg == M.TaskFinishedMsg(("x", 1))

@@ -80,6 +80,32 @@ def test_probe_is_seen_in_this_domain_and_token_checked():
         shm.unlink(name)
 
 
+@pytest.mark.parametrize("fails", ["open", "write"])
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EMFILE, errno.EIO])
+def test_a_probe_that_cannot_be_made_is_none_leaves_nothing_and_warns_once(monkeypatch, caplog, fails, error):
+    real_open, real_write = os.open, os.write
+
+    def failing(*args):
+        if fails == "open" and str(args[0]).startswith(f"{shm.SHM_DIR}/shoal-"):
+            raise OSError(error, os.strerror(error))
+        if fails == "write" and args[0] not in (0, 1, 2):
+            raise OSError(error, os.strerror(error))
+        return (real_open if fails == "open" else real_write)(*args)
+
+    monkeypatch.setattr(shm, "_probe_warned", False)
+    monkeypatch.setattr(os, fails, failing)
+    with caplog.at_level("DEBUG", logger="shoal.comm.shm"):
+        assert [shm.probe() for _ in range(3)] == [None] * 3
+    monkeypatch.undo()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and os.strerror(error) in warnings[0].getMessage()
+    assert "offer no shared memory" in warnings[0].getMessage()
+    assert not shm.segments_of(os.getpid()) and not any("probe" in n for n in shm.owned())
+    made = shm.probe()  # room again: probes again, without a word
+    assert made is not None
+    shm.unlink(made[0])
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("SHOAL_SHM", "0")
     assert not shm.enabled()

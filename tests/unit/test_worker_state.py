@@ -326,6 +326,59 @@ def test_values_a_peer_cannot_send_fail_the_tasks_that_need_them() -> None:
     assert not w.state.in_flight_workers
 
 
+def _fetch_fails(w: Wk, peer: str, keys: list[Any]) -> list[Any]:
+    return w(GatherDepFailureEvent(w.sid(), peer, keys, "could not fetch: out of descriptors", exception="the error"))
+
+
+def test_fetches_failing_from_one_peer_again_and_again_err_the_tasks_at_last() -> None:
+    """The scheduler sends a task back here after each failed fetch (the task may only
+    run here, or its other inputs are here): the third failure in a row errs it."""
+    w = Wk(max_peer_failures=3)
+    for _ in range(2):
+        assert gathers(w.compute("t", {"a": ["p1"]})) == [("p1", ["a"], 1)]
+        out = _fetch_fails(w, "p1", ["a"])
+        assert sorted(ops(out)) == [("missing-data", "a"), ("reschedule", "t")]
+    assert w.state.peer_failures == {"p1": 2}
+    w.compute("t", {"a": ["p1"]})
+    out = _fetch_fails(w, "p1", ["a"])
+    assert ops(out) == [("task-erred", "t")]
+    (msg,) = sent(out)
+    assert msg["exception"] == "the error"
+    assert "out of descriptors" in msg["text"] and "3 fetches from it failed in a row" in msg["text"]
+    assert w.state.tasks == {} and not w.state.in_flight_workers
+
+
+def test_given_up_on_a_peer_the_other_holders_are_asked() -> None:
+    w = Wk(max_peer_failures=1)
+    w.compute("t", {"a": ["p1", "p2"]})
+    out = _fetch_fails(w, "p1", ["a"])
+    assert sent(out) == [] and gathers(out) == [("p2", ["a"], 1)]
+    out = w.gathered("p2", {"a": 1}, ["a"])
+    assert executes(out) == ["t"]
+
+
+def test_a_fetch_that_works_clears_the_count_of_its_peer() -> None:
+    w = Wk(max_peer_failures=2)
+    w.compute("t1", {"a": ["p1"]})
+    _fetch_fails(w, "p1", ["a"])
+    w.compute("t1", {"a": ["p1"]})
+    w.gathered("p1", {"a": 1}, ["a"])
+    assert w.state.peer_failures == {}
+    w.compute("t2", {"b": ["p1"]})
+    assert ops(_fetch_fails(w, "p1", ["b"])) == [("missing-data", "b"), ("reschedule", "t2")]
+
+
+def test_failing_peers_are_counted_for_a_bounded_number_of_peers() -> None:
+    from shoal.worker import state as state_module
+
+    w = Wk()
+    for i in range(state_module._MAX_FAILING_PEERS + 10):
+        w.compute(f"t{i}", {f"a{i}": [f"p{i}"]})
+        _fetch_fails(w, f"p{i}", [f"a{i}"])
+    assert len(w.state.peer_failures) == state_module._MAX_FAILING_PEERS
+    assert "p0" not in w.state.peer_failures and f"p{state_module._MAX_FAILING_PEERS + 9}" in w.state.peer_failures
+
+
 def test_a_late_gather_reply_for_dropped_keys_is_ignored(w: Wk) -> None:
     w.compute("t", {"a": ["p1"]})
     w.free("t")
