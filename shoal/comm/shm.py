@@ -222,7 +222,19 @@ def place(obj: Any, min_buffer_bytes: int = 1 << 16) -> tuple[Segment, Any] | No
     name, size, token = _fill_segment(pos, pieces)
     info: SegmentInfo = [name, size, len(data), layout, token]
     seg = Segment(name, size, info)
-    return seg, attach(info)
+    return seg, _attach_placed(seg)
+
+
+def _attach_placed(seg: Segment) -> Any:
+    """The value just placed in ``seg``, mapped. Mapping it can fail for want of
+    address space (``ENOMEM`` under ``RLIMIT_AS``): then the segment goes and
+    :class:`ShmUnavailable` says why (the value stays in private memory)."""
+    try:
+        return attach(seg.info)
+    except (OSError, MemoryError) as exc:
+        seg.unlink()
+        raise ShmUnavailable(f"cannot map segment {seg.name} of {seg.size:,} bytes: {exc}; "
+                             "the value stays in private memory") from exc
 
 
 def _fill_segment(need: int, pieces: list[tuple[int, memoryview]], keep: bool = True) -> tuple[str, int, str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 import shoal
-from shoal_helpers import auth_files, stop_processes
+from shoal_helpers import auth_files, start_scheduler, start_worker, stop_processes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,12 +86,6 @@ def inc(x: int) -> int:
 # ------------------------------------------------------------------------ clusters
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["threads", "processes", "remote-client"])
 def kind_and_address(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     if request.param != "remote-client":
@@ -103,19 +96,10 @@ def kind_and_address(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]
     procs: list[subprocess.Popen[str]] = []
     # the worker imports this module's functions, as a user's workers import theirs
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     try:
-        port = _free_port()
-        sched = subprocess.Popen([sys.executable, "-m", "shoal", "scheduler", "--host", "127.0.0.1",
-                                  "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        procs.append(sched)
-        assert sched.stdout is not None
-        address = sched.stdout.readline().split()[-1]
-        worker = subprocess.Popen([sys.executable, "-m", "shoal", "worker", address, "--nthreads", "1"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        procs.append(worker)
-        assert worker.stdout is not None
-        assert worker.stdout.readline().startswith("shoal worker at ")
+        _, address = start_scheduler(procs)
+        start_worker(procs, address, "--nthreads", "1", env={"PYTHONPATH": path})
         yield request.param, address
     finally:
         stop_processes(procs, before)

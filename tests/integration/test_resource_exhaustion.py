@@ -46,6 +46,8 @@ from shoal_helpers import (
     raw_connect,
     recv_until_closed,
     secret_of,
+    start_scheduler,
+    start_worker,
     stop_processes,
 )
 
@@ -368,3 +370,53 @@ async def test_a_connect_cancelled_in_its_handshake_leaves_no_descriptor() -> No
         while _my_descriptors() > before:  # transports close on the loop's next turns
             assert loop.time() < deadline, f"{_my_descriptors() - before} descriptor(s) left open"
             await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- address space
+
+
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmSize for {pid}")
+
+
+def ones(n: int) -> Any:
+    return np.ones(n, dtype=np.uint8)
+
+
+def test_a_worker_short_of_address_space_errs_the_task_that_hit_it_and_carries_on(processes: list[Any]) -> None:
+    """Under an address-space limit (``RLIMIT_AS``, lowered on the running worker), a
+    result that fits in private memory but whose shared-memory segment cannot be mapped
+    (``mmap``: ENOMEM) stays private and is fetched correctly, with its segment gone; a
+    task that cannot allocate its result fails with ``MemoryError``; the one-thread
+    worker then runs the next tasks. Nothing is left in /dev/shm."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    _, address = start_scheduler(processes)
+    worker, _ = start_worker(processes, address, "--nthreads", "1", env={"PYTHONPATH": path})
+    with shoal.Client(address, timeout=30) as c:
+        assert c.submit(ones, 10, pure=False).result(timeout=30).sum() == 10  # numpy loaded, threads up
+        soft, hard = resource.prlimit(worker.pid, resource.RLIMIT_AS)
+        # room for a 96 MB result, not for a second mapping of it
+        resource.prlimit(worker.pid, resource.RLIMIT_AS, (_vm_size(worker.pid) + (150 << 20), hard))
+        try:
+            big = c.submit(ones, 96 << 20, pure=False)
+            assert int(big.result(timeout=60).sum()) == 96 << 20
+            huge = c.submit(ones, 1 << 32, pure=False)
+            with pytest.raises(MemoryError):
+                huge.result(timeout=60)
+            assert c.submit(ones, 1000, pure=False).result(timeout=30).sum() == 1000
+            del big, huge
+        finally:
+            resource.prlimit(worker.pid, resource.RLIMIT_AS, (soft, hard))
+        assert sum(c.gather(c.map(abs, range(-5, 5)))) == 25
+        assert all(os.path.getsize(os.path.join(shm.SHM_DIR, n)) < (96 << 20) for n in shm.segments_of(worker.pid))
+    assert worker.poll() is None
+    worker.terminate()
+    log = worker.communicate(timeout=30)[1]
+    assert "a result stays in this worker's private memory: ShmUnavailable: cannot map segment" in log, log
+    assert "Cannot allocate memory" in log and "Traceback" not in log, log
+    assert shm.segments_of(worker.pid) == []
