@@ -202,8 +202,9 @@ class TaskFinishedMsg(Msg, tag="task-finished"):
     duration: float | None = 0.0
     shm: Any = None  # segment info (§4.7) or nil
     value: Any = None  # a small value inline (opaque to the scheduler, which forwards it)
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
-    optional: ClassVar[tuple[str, ...]] = ("shm", "value")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "value", "stimulus_id")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
 
 
@@ -212,18 +213,24 @@ class WorkerTaskErredMsg(Msg, tag="task-erred"):
     exception: Any = None  # opaque
     traceback: Any = None  # opaque or str or nil
     text: str = ""
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class MissingDataMsg(Msg, tag="missing-data"):
     key: Any
     errant_worker: str
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class RescheduleMsg(Msg, tag="reschedule"):
     key: Any
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class HeartbeatMsg(Msg, tag="heartbeat"):
@@ -242,15 +249,18 @@ class ComputeTaskMsg(Msg, tag="compute-task"):
     priority: list[int] = []
     shm: dict[Any, Any] | None = None
     report: bool = False
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
-    optional: ClassVar[tuple[str, ...]] = ("shm", "report")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 
 class FreeKeysMsg(Msg, tag="free-keys"):
     keys: list[Any]
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class CloseMsg(Msg, tag="close"):
@@ -278,17 +288,23 @@ class TaskDef(msgspec.Struct, forbid_unknown_fields=False):
 class UpdateGraphMsg(Msg, tag="update-graph"):
     tasks: list[TaskDef] = []
     wanted: list[Any] = []
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_list_fields: ClassVar[tuple[str, ...]] = ("wanted",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class ReleaseKeysMsg(Msg, tag="release-keys"):
     keys: list[Any] = []
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class CancelKeysMsg(Msg, tag="cancel-keys"):
     keys: list[Any] = []
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class CloseClientMsg(Msg, tag="close-client"):
@@ -483,7 +499,7 @@ def to_wire(msg: Msg) -> dict[str, Any]:
     optional = msg.optional
     for name in msg.__struct_fields__:
         value = getattr(msg, name)
-        if name in optional and (value is None or value is False):
-            continue  # optional fields default to nil or false
+        if name in optional and (value is None or value is False or value == ""):
+            continue  # optional fields default to nil, false or ""
         out[name] = value
     return out

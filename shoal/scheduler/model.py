@@ -8,12 +8,9 @@ from typing import Any
 
 from .events import NewTask
 from ..protocol.messages import Key
+from ..statelog import InvalidTransition
 
 __all__ = ["InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
-
-
-class InvalidTransition(RuntimeError):
-    """A state change the transition table does not allow."""
 
 
 # ------------------------------------------------------------------------- the model

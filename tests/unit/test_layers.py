@@ -20,7 +20,7 @@ LAYERS = {
     "shoal.worker.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.worker"},
     "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec"},
 }
-ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing"}
+ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing", "shoal.statelog"}
 
 
 def _layer_of(module: str) -> str:

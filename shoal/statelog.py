@@ -1,0 +1,107 @@
+"""What a state machine did, kept bounded, so that a bug can be told and replayed.
+
+Both state machines (:class:`~shoal.scheduler.state.SchedulerState` and
+:class:`~shoal.worker.state.WorkerState`) keep a :class:`StateLog`:
+
+- the **events** they handled, in order, as the events themselves (what each carried,
+  less the opaque user data: an event type may define ``logged()`` returning a copy
+  without it, see :data:`DROPPED`), so that feeding them to a fresh machine replays
+  the run and gives the same instructions;
+- every **transition** of a key, ``(key, start, finish, stimulus_id)``, so that
+  :meth:`StateLog.story` tells what happened to a key and which stimulus did it.
+
+Both are bounded (oldest first out): the log costs a deque append per event and per
+transition, and no more memory than its bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any, NamedTuple
+
+from .errors import describe
+
+__all__ = ["StateLog", "Transition", "DROPPED", "InvalidTransition", "internal_error", "internal_errors"]
+
+logger = logging.getLogger("shoal.statelog")
+
+#: internal errors this process met (the last 100): an exception raised inside a state
+#: machine's ``handle()``, which is a bug of shoal's, never bad input (input is checked
+#: where it is decoded). The test suite fails a test that leaves one here.
+internal_errors: deque[str] = deque(maxlen=100)
+
+
+class InvalidTransition(RuntimeError):
+    """A state machine was asked for a change of state its table does not allow; the
+    state is left as it was."""
+
+
+def internal_error(machine: str, exc: BaseException, log: StateLog, keys: Iterable[Hashable]) -> str:
+    """Report an exception raised inside ``machine``'s ``handle()``: logged loudly
+    with the stories of ``keys`` (the keys of the stimulus), and kept in
+    :data:`internal_errors`. Returns the text. What to do next (close a worker, fail
+    the stimulus's keys) is the caller's decision."""
+    text = f"internal error in the {machine}'s state machine: {describe(exc)}\n{log.tell(keys)}"
+    logger.critical("%s", text, exc_info=exc)
+    internal_errors.append(text)
+    return text
+
+
+class _Dropped:
+    """Stands for opaque user data (a task's payload, a value, an exception) that a
+    logged event no longer holds: the log must not keep values (and their shared
+    memory) alive. A replay carries it where the payload was."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DROPPED"
+
+    def __reduce__(self) -> str:
+        return "DROPPED"
+
+
+#: the marker of user data left out of the log
+DROPPED: Any = _Dropped()
+
+
+class Transition(NamedTuple):
+    key: Hashable
+    start: str
+    finish: str
+    stimulus_id: str
+
+
+class StateLog:
+    """The last ``events`` events and the last ``transitions`` transitions."""
+
+    __slots__ = ("events", "transitions")
+
+    def __init__(self, events: int = 10_000, transitions: int = 100_000):
+        self.events: deque[Any] = deque(maxlen=events)
+        self.transitions: deque[Transition] = deque(maxlen=transitions)
+
+    def event(self, ev: Any) -> None:
+        """Keep ``ev`` (its ``logged()`` copy when it has one)."""
+        logged = getattr(ev, "logged", None)
+        self.events.append(ev if logged is None else logged())
+
+    def transition(self, key: Hashable, start: str, finish: str, stimulus_id: str) -> None:
+        self.transitions.append(Transition(key, start, finish, stimulus_id))
+
+    def story(self, *keys: Hashable) -> list[Transition]:
+        """The transitions of ``keys`` still in the log, oldest first."""
+        wanted = set(keys)
+        return [t for t in self.transitions if t.key in wanted]
+
+    def stimuli(self, *stimulus_ids: str) -> list[Any]:
+        """The logged events with these stimulus ids, oldest first."""
+        wanted = set(stimulus_ids)
+        return [ev for ev in self.events if getattr(ev, "stimulus_id", None) in wanted]
+
+    def tell(self, keys: Iterable[Hashable], limit: int = 50) -> str:
+        """The stories of ``keys`` as text for a log line (the last ``limit`` steps)."""
+        steps = self.story(*keys)[-limit:]
+        return "\n".join(f"  {t.key!r:.80}: {t.start} -> {t.finish}  ({t.stimulus_id})" for t in steps) or "  (nothing logged)"
