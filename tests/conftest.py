@@ -74,3 +74,17 @@ def private_auth_dir(tmp_path_factory: pytest.TempPathFactory):
             os.environ["SHOAL_AUTH_DIR"] = old
     left = sorted(p.name for p in path.iterdir())
     assert not left, f"auth files left behind: {left}"
+
+
+@pytest.fixture(autouse=True)
+def no_internal_errors():
+    """A test fails if a state machine of this process raised inside ``handle()`` (a
+    bug, reported by :func:`shoal.statelog.internal_error`). A test that provokes one
+    on purpose clears ``shoal.statelog.internal_errors`` itself."""
+    from shoal import statelog
+
+    statelog.internal_errors.clear()
+    yield
+    errors = list(statelog.internal_errors)
+    statelog.internal_errors.clear()
+    assert not errors, "internal errors of a state machine:\n" + "\n".join(errors)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.messages import Key
+from ..statelog import DROPPED
 
 
 # ------------------------------------------------------------------------------ events
@@ -79,6 +80,11 @@ class UpdateGraphEvent(Event):
     #: keys the client holds futures for
     wanted: list[Key]
 
+    def logged(self) -> UpdateGraphEvent:
+        """This event for the log: the tasks without their payloads."""
+        tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries) for t in self.tasks]
+        return UpdateGraphEvent(self.stimulus_id, self.client, tasks, self.wanted)
+
 
 @dataclass
 class TaskFinishedEvent(Event):
@@ -92,6 +98,12 @@ class TaskFinishedEvent(Event):
     #: the (small) value itself, opaque, for the clients that wait for it
     value: Any = None
 
+    def logged(self) -> TaskFinishedEvent:
+        """This event for the log: without the value."""
+        if self.value is None:
+            return self
+        return TaskFinishedEvent(self.stimulus_id, self.worker, self.key, self.nbytes, self.duration, self.shm, DROPPED)
+
 
 @dataclass
 class TaskErredEvent(Event):
@@ -100,6 +112,15 @@ class TaskErredEvent(Event):
     exception: Any = None
     traceback: Any = None
     exception_text: str = ""
+
+    def logged(self) -> TaskErredEvent:
+        """This event for the log: without the exception object (its text stays)."""
+        if self.exception is None and isinstance(self.traceback, (str, type(None))):
+            return self
+        return TaskErredEvent(self.stimulus_id, self.worker, self.key,
+                              None if self.exception is None else DROPPED,
+                              self.traceback if isinstance(self.traceback, (str, type(None))) else DROPPED,
+                              self.exception_text)
 
 
 @dataclass
@@ -143,6 +164,29 @@ class RescheduleEvent(Event):
 
     worker: str
     key: Key
+
+
+@dataclass
+class FailKeysEvent(Event):
+    """Err these keys (and their dependents) with ``text``: what an internal error
+    leaves of the tasks of the stimulus it broke, so that their clients hear why
+    instead of waiting for ever. Keys in memory, erred or unknown are left alone."""
+
+    keys: list[Key]
+    text: str
+
+
+def keys_of(event: Event) -> list[Key]:
+    """The keys an event is about (for a story, or to fail them)."""
+    keys: list[Key] = []
+    key = getattr(event, "key", None)
+    if key is not None:
+        keys.append(key)
+    for name in ("keys", "wanted"):
+        keys.extend(getattr(event, name, None) or ())
+    keys.extend(t.key for t in getattr(event, "tasks", None) or ())
+    keys.extend(getattr(event, "who_has", None) or ())
+    return list(dict.fromkeys(keys))
 
 
 # ------------------------------------------------------------------------ instructions

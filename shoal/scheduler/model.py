@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
+__all__ = ["TState", "InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
+
+
+#: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
+TState = Literal["released", "waiting", "queued", "processing", "memory", "erred", "forgotten"]
 
 
 # ------------------------------------------------------------------------- the model
@@ -39,7 +43,7 @@ class WorkerState:
 class TaskState:
     key: Key
     payload: Any = None
-    state: str = "released"
+    state: TState = "released"
     priority: tuple[int, ...] = (0,)
     dependencies: set[TaskState] = field(default_factory=set)
     dependents: set[TaskState] = field(default_factory=set)
@@ -78,7 +82,8 @@ class TaskState:
 
 
 def dependents_closure(ts: TaskState) -> list[TaskState]:
-    out: list[TaskState] = []
+    """Every task built on ``ts``, directly or not, in priority order (sets of tasks
+    iterate in an order of memory addresses: sorted, a replay decides the same)."""
     seen = {ts}
     stack = list(ts.dependents)
     while stack:
@@ -86,9 +91,9 @@ def dependents_closure(ts: TaskState) -> list[TaskState]:
         if d in seen:
             continue
         seen.add(d)
-        out.append(d)
         stack.extend(d.dependents)
-    return out
+    seen.discard(ts)
+    return sorted(seen)
 
 
 def find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:

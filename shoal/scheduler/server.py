@@ -24,7 +24,8 @@ from .. import config
 from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, SerializationError, short_repr
+from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
+from ..statelog import internal_error
 from ..protocol import REMOTE, Serialized
 from ..protocol.serialize import forwarded
 from ..protocol.messages import (
@@ -59,6 +60,7 @@ from .state import (
     ClientMsg,
     CloseWorkerStream,
     ComputeTask,
+    FailKeysEvent,
     FreeKeys,
     HeartbeatEvent,
     Instruction,
@@ -74,6 +76,7 @@ from .state import (
     UpdateDataEvent,
     UpdateGraphEvent,
 )
+from .events import keys_of
 
 __all__ = ["Scheduler"]
 
@@ -272,7 +275,8 @@ class Scheduler:
             raise TimeoutError(f"{len(self.state.workers)} of {n} workers arrived within {timeout}s") from None
 
     def _worker_msg(self, address: str, msg: Msg) -> None:
-        sid = self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
+        # the worker's own stimulus, when it says (its story and ours then meet)
+        sid = getattr(msg, "stimulus_id", "") or self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
         match msg:
             case TaskFinishedMsg():
                 self._apply(TaskFinishedEvent(sid, address, msg.key, msg.nbytes or 0, msg.duration or 0.0,
@@ -340,7 +344,7 @@ class Scheduler:
                 await shm.sweep_when_gone(pid)
 
     def _client_msg(self, client: str, msg: Msg) -> None:
-        sid = self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
+        sid = getattr(msg, "stimulus_id", "") or self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
         match msg:
             case UpdateGraphMsg():
                 tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries) for t in msg.tasks]
@@ -372,19 +376,46 @@ class Scheduler:
     # -- instructions
 
     def _apply(self, event: Any) -> None:
+        try:
+            instructions = self.state.handle(event)
+        except Exception as exc:  # noqa: BLE001 - a bug of the state machine's, never bad input
+            self._internal_error(event, exc)
+            return
         # free-keys to one worker merge into one message, sent before anything else
         # that goes to that worker, so the worker sees them in the order made
         free: dict[str, list[Any]] = {}
-        for inst in self.state.handle(event):
+        for inst in instructions:
             if isinstance(inst, FreeKeys):
                 free.setdefault(inst.worker, []).extend(inst.keys)
                 continue
             if isinstance(inst, ComputeTask) and inst.worker in free:
-                self._send_worker(inst.worker, to_wire(FreeKeysMsg(free.pop(inst.worker))), lazy=True)
+                self._send_worker(inst.worker, to_wire(FreeKeysMsg(free.pop(inst.worker), event.stimulus_id)),
+                                  lazy=True)
             self._do(inst)
         for worker, keys in free.items():
             # releases need no write of their own: they go with the next task or soon after
-            self._send_worker(worker, to_wire(FreeKeysMsg(keys)), lazy=True)
+            self._send_worker(worker, to_wire(FreeKeysMsg(keys, event.stimulus_id)), lazy=True)
+
+    def _internal_error(self, event: Any, exc: Exception) -> None:
+        """``handle(event)`` raised: a bug (peers' input is checked where it is
+        decoded). It is reported with the stories of the event's keys. If the state
+        still holds together (``validate()``), those keys err with an error that says
+        what happened and the scheduler goes on; otherwise it stops, rather than keep
+        scheduling from a state that is half changed."""
+        keys = keys_of(event)
+        text = internal_error("scheduler", exc, self.state.log, keys)
+        try:
+            self.state.validate()
+        except Exception as broken:  # noqa: BLE001 - whatever validate() finds
+            logger.critical("the scheduler's state does not hold after that (%s): the scheduler stops",
+                            describe(broken))
+            if not self.closing:
+                asyncio.ensure_future(self.close())
+            return
+        if keys:
+            first = text.splitlines()[0]
+            self._apply(FailKeysEvent(self._stimulus("internal-error"), keys,
+                                      f"InternalError: {first} (stimulus {event.stimulus_id})"))
 
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, ComputeTask):
@@ -392,7 +423,7 @@ class Scheduler:
             if payload is not None:
                 self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
                     inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
-                    shm=inst.shm or None, report=inst.report,
+                    shm=inst.shm or None, report=inst.report, stimulus_id=inst.stimulus_id,
                 )))
         elif isinstance(inst, CloseWorkerStream):
             logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
@@ -402,7 +433,7 @@ class Scheduler:
                 # its handler then sees the connection end, as for a worker that died
                 stream.abort()
         elif isinstance(inst, FreeKeys):
-            self._send_worker(inst.worker, to_wire(FreeKeysMsg(inst.keys)), lazy=True)
+            self._send_worker(inst.worker, to_wire(FreeKeysMsg(inst.keys, inst.stimulus_id)), lazy=True)
         elif isinstance(inst, ClientMsg):
             stream = self.client_streams.get(inst.client)
             if stream is not None:

@@ -27,12 +27,23 @@ Task states::
 - ``released``: not computed, and no-one holds the value; ``forgotten`` tasks are
   dropped from the state once no client wants them and no dependent needs them.
 
-All changes of state go through :meth:`SchedulerState._transition`, which looks the pair
-up in ``_TRANSITIONS``; an illegal pair raises and leaves the state unchanged. A
-transition returns recommendations (more transitions), carried out first in, first out
-by :meth:`SchedulerState._recommend`; one that no longer fits when its turn comes (a
-task recommended "forgotten" that a dependent needs again) is skipped.
-:meth:`validate` checks the invariants; the tests call it after every step.
+Changes of state are asked for through :meth:`SchedulerState._transition`, which looks
+the pair up in ``_TRANSITIONS`` (a route: the function that carries it out); an illegal
+pair raises and leaves the state unchanged. A transition returns recommendations (more
+transitions), carried out first in, first out by :meth:`SchedulerState._recommend`; one
+that no longer fits when its turn comes (a task recommended "forgotten" that a
+dependent needs again) is skipped. The state itself is written in one place,
+:meth:`~.transitions.TaskTransitions._set_state` (:mod:`.transitions`), which allows only the edges of ``_EDGES`` and logs
+each change with the stimulus that caused it. :meth:`validate` checks the invariants;
+the tests call it after every step.
+
+The log (:class:`~shoal.statelog.StateLog`) keeps the events handled (payloads, values
+and exceptions left out) and every transition: :meth:`SchedulerState.story` tells a
+key's; fed the logged events, a fresh state returns the same instructions (decisions
+never depend on the order of a set: tasks are sorted by priority where that matters).
+An exception inside ``handle()`` is a bug (input is checked when it is decoded): the
+server reports it with the keys' stories and fails those keys, or stops if
+``validate()`` no longer holds.
 
 Liveness (:mod:`.liveness`, time arrives only in ``HeartbeatEvent`` and
 ``CheckLivenessEvent``): a worker silent for ``worker_ttl`` is removed as if it had
@@ -44,18 +55,18 @@ The scheduler never looks inside a task's payload: it holds it opaque and forwar
 from __future__ import annotations
 
 import heapq
-import math
 import itertools
-from collections import deque
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..protocol.messages import CancelledKeyMsg, KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
+from ..protocol.messages import CancelledKeyMsg, TaskErredMsg, to_wire
 from .events import (
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
     CheckLivenessEvent,
+    FailKeysEvent,
     ClientMsg,
     CloseWorkerStream,
     ComputeTask,
@@ -84,6 +95,8 @@ from .model import (
     topological,
 )
 from ..protocol.messages import Key
+from ..statelog import StateLog, Transition
+from .transitions import TaskTransitions
 from .validation import validate_state
 
 # the task durations the scheduler averages are clamped to this range (seconds)
@@ -110,6 +123,7 @@ __all__ = [
     "RescheduleEvent",
     "HeartbeatEvent",
     "CheckLivenessEvent",
+    "FailKeysEvent",
     # instructions
     "ComputeTask",
     "FreeKeys",
@@ -124,7 +138,7 @@ DEFAULT_AHEAD = 2
 ALLOWED_FAILURES = 3
 
 
-class SchedulerState:
+class SchedulerState(TaskTransitions):
     """Tasks, workers and clients; ``handle(*events) -> list[instruction]``."""
 
     def __init__(self, ahead: int = DEFAULT_AHEAD, allowed_failures: int = ALLOWED_FAILURES, log_size: int = 10_000,
@@ -143,7 +157,8 @@ class SchedulerState:
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
         self.queued: list[TaskState] = []  # heap by priority
-        self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
+        #: the events handled (opaque data dropped) and every task's transitions
+        self.log = StateLog(events=log_size, transitions=10 * log_size)
         self._generation = itertools.count()
         self._instructions: list[Instruction] = []
         self._stimulus = ""
@@ -164,6 +179,7 @@ class SchedulerState:
             RescheduleEvent: self._reschedule,
             HeartbeatEvent: self._heartbeat,
             CheckLivenessEvent: self._check_liveness,
+            FailKeysEvent: self._fail_keys,
         }
 
     # -- entry point
@@ -174,14 +190,18 @@ class SchedulerState:
         for event in events:
             self._stimulus = event.stimulus_id
             self._instructions = out
-            if type(event) not in _CLOCK_EVENTS:
-                self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
+            self.log.event(event)
             self._handlers[type(event)](event)
             if self.queued and type(event) is not HeartbeatEvent:
                 # slots may have opened anywhere (finished, cancelled, released tasks)
                 self._fill_all()
         self._instructions = []
         return out
+
+    def story(self, *keys: Key) -> list[Transition]:
+        """What happened to ``keys``: their transitions still in the log, oldest
+        first, each with the stimulus that caused it."""
+        return self.log.story(*keys)
 
     # -- events
 
@@ -205,7 +225,7 @@ class SchedulerState:
         for ts in sorted(ws.processing):
             ws.processing.discard(ts)
             ts.processing_on = None
-            ts.state = "released"
+            self._set_state(ts, "released")
             if crashed:
                 ts.suspicious += 1
             if ts.suspicious >= self.allowed_failures:
@@ -236,10 +256,23 @@ class SchedulerState:
         for ws, _ in gone:  # all of them first: none may take over another's tasks
             del self.workers[ws.address]
         for ws, silent in gone:
-            # logged when they act only: a heartbeat per worker a second would crowd the log
-            self.log.append((ev.stimulus_id, type(ev).__name__, ws.address))
             self._emit(CloseWorkerStream(self._stimulus, ws.address, silent))
             self._drop_worker(ws, crashed=True)
+
+    def _fail_keys(self, ev: FailKeysEvent) -> None:
+        recs: dict[TaskState, str] = {}
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state in ("memory", "erred", "forgotten"):
+                continue
+            if ts.state == "processing" and ts.processing_on is not None:
+                ts.processing_on.processing.discard(ts)
+                self._emit(FreeKeys(self._stimulus, ts.processing_on.address, [ts.key]))
+                ts.processing_on = None
+            elif ts.state == "queued":
+                self._dequeue(ts)
+            recs.update(self._err(ts, None, None, ev.text, kind="InternalError"))
+        self._recommend(recs)
 
     def _add_client(self, ev: AddClientEvent) -> None:
         self.clients.add(ev.client)
@@ -399,7 +432,7 @@ class SchedulerState:
                 # waiting, queued or erred: the value is here now, stop computing it
                 recs.update(self._transition(ts, "released"))
             ts.nbytes = ev.nbytes.get(key, 0)
-            ts.state = "memory"
+            self._set_state(ts, "memory")
             for ws in workers:
                 self._add_replica(ts, ws)
             info = ev.shm.get(key)
@@ -426,283 +459,6 @@ class SchedulerState:
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
             return
         self._recommend(self._transition(ts, "waiting"))
-
-    # -- transitions
-
-    def _recommend(self, recs: dict[TaskState, str]) -> None:
-        """Carry out recommendations, and those they lead to, until none are left.
-
-        First in, first out: recommendations are made in priority order (a graph's tasks,
-        a finished task's dependents), so that is the order tasks go to workers in. A
-        task may be recommended twice (say "processing", then "forgotten", which is
-        skipped if a dependent still waits for it): each recommendation is kept, and
-        one that no longer fits the task's state is dropped.
-        """
-        pending = deque(recs.items())
-        while pending:
-            ts, finish = pending.popleft()
-            if ts.state in ("forgotten", finish):
-                continue
-            if finish == "processing" and (ts.state != "waiting" or ts.waiting_on):
-                continue  # moved on since: erred, released, or waiting on a lost input
-            if finish == "waiting" and ts.state != "released":
-                continue  # already on its way, or erred
-            pending.extend(self._transition(ts, finish).items())
-
-    def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
-        start = ts.state
-        if start == finish:
-            return {}
-        if finish == "forgotten" and start != "released" and (ts.who_wants or ts.waiters):
-            # recommended when nobody needed it; a client or a dependent has come back since
-            return {}
-        func = _TRANSITIONS.get((start, finish))
-        if func is None:
-            # multi-step routes through released
-            if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
-                more = self._transition(ts, "released")
-                return {**more, ts: "forgotten"} if ts.state == "released" else more
-            if finish == "waiting" and start in ("memory", "erred"):
-                # ts first: its inputs, recommended "forgotten" on the way, are needed again
-                more = self._transition(ts, "released")
-                return {ts: "waiting", **more}
-            raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
-        return func(self, ts, *args) or {}
-
-    def _released_waiting(self, ts: TaskState) -> dict[TaskState, str]:
-        if ts.payload is None:
-            # data put on workers directly (scatter) cannot be recomputed
-            text = f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed"
-            return self._err(ts, None, None, text, kind="LostData")
-        recs: dict[TaskState, str] = {}
-        ts.state = "waiting"
-        ts.waiting_on = set()
-        for dep in sorted(ts.dependencies):
-            if dep.state == "erred":
-                blame = dep.exception_blame or dep
-                return self._err(ts, blame.exception, blame.traceback, blame.exception_text, blame=blame)
-        for dep in sorted(ts.dependencies):
-            dep.waiters.add(ts)
-            if dep.state != "memory":
-                ts.waiting_on.add(dep)
-                if dep.state == "released":
-                    recs[dep] = "waiting"
-        if not ts.waiting_on:
-            recs[ts] = "processing"
-        return recs
-
-    def _waiting_processing(self, ts: TaskState) -> dict[TaskState, str]:
-        if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
-            return self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError")
-        ws = self._decide_worker(ts)
-        if ws is None:
-            ts.state = "queued"
-            heapq.heappush(self.queued, ts)
-            return {}
-        self._send_to(ts, ws)
-        return {}
-
-    def _queued_processing(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
-        self._send_to(ts, ws)
-        return {}
-
-    def _processing_waiting(self, ts: TaskState) -> dict[TaskState, str]:
-        """Run it again (a retry, or the worker gave it back); its inputs stay where they are."""
-        ws = ts.processing_on
-        assert ws is not None
-        ws.processing.discard(ts)
-        ts.processing_on = None
-        ts.state = "released"
-        return self._released_waiting(ts)
-
-    def _send_to(self, ts: TaskState, ws: WorkerState) -> None:
-        ts.state = "processing"
-        ts.processing_on = ws
-        ws.processing.add(ts)
-        self._emit(ComputeTask(
-            self._stimulus, ws.address, ts.key, ts.payload,
-            {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
-            {d.key: d.nbytes for d in sorted(ts.dependencies)},
-            ts.priority,
-            {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
-            bool(ts.who_wants),
-        ))
-
-    @staticmethod
-    def _shm_valid(ts: TaskState) -> bool:
-        """Whether ``ts``'s shared-memory copy still exists (its owner holds the key)."""
-        return ts.shm is not None and any(ws.address == ts.shm_owner for ws in ts.who_has)
-
-    def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
-        assert ts.processing_on is not None
-        ts.processing_on.processing.discard(ts)
-        ts.processing_on = None
-        ts.state = "memory"
-        self._add_replica(ts, ws)
-        return self._on_memory(ts)
-
-    def _on_memory(self, ts: TaskState) -> dict[TaskState, str]:
-        recs: dict[TaskState, str] = {}
-        for dts in sorted(ts.dependents):
-            if ts in dts.waiting_on:
-                dts.waiting_on.discard(ts)
-                if not dts.waiting_on and dts.state == "waiting":
-                    recs[dts] = "processing"
-        ts.waiting_on.clear()
-        for dep in sorted(ts.dependencies):
-            dep.waiters.discard(ts)
-            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
-                recs[dep] = "forgotten"
-        if ts.who_wants:
-            self._to_clients(ts, self._in_memory_msg(ts))
-        elif not ts.waiters:
-            recs[ts] = "forgotten"
-        return recs
-
-    def _processing_erred(self, ts: TaskState, exception: Any, traceback: Any, text: str) -> dict[TaskState, str]:
-        assert ts.processing_on is not None
-        ts.processing_on.processing.discard(ts)
-        ts.processing_on = None
-        return self._err(ts, exception, traceback, text)
-
-    def _to_released(self, ts: TaskState) -> dict[TaskState, str]:
-        start = ts.state
-        recs: dict[TaskState, str] = {}
-        if start == "processing":
-            ws = ts.processing_on
-            assert ws is not None
-            ws.processing.discard(ts)
-            ts.processing_on = None
-            self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
-        elif start == "queued":
-            self._dequeue(ts)
-        elif start == "memory":
-            for ws in sorted(ts.who_has, key=lambda w: w.address):
-                ws.has_what.discard(ts)
-                ws.nbytes -= max(ts.nbytes, 0)
-                self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
-            ts.who_has.clear()
-            ts.inline = None
-        elif start == "erred":
-            ts.exception = ts.traceback = ts.exception_blame = None
-            ts.exception_text = ""
-            ts.error_kind = ""
-        ts.state = "released"
-        for dep in sorted(ts.dependencies):
-            dep.waiters.discard(ts)
-            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
-                recs[dep] = "forgotten"
-        ts.waiting_on.clear()
-        # dependents still to run must wait for this value again
-        for dts in ts.dependents:
-            if dts.state == "waiting":
-                dts.waiting_on.add(ts)
-        return recs
-
-    def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
-        if any(d.state in ("waiting", "queued", "processing") for d in ts.dependents):
-            # a dependent still has to run: compute this again
-            return {ts: "waiting"}
-        if ts.who_wants or any(d.state != "forgotten" for d in ts.dependents):
-            return {}  # still needed by a client or by a dependent's record
-        recs: dict[TaskState, str] = {}
-        ts.state = "forgotten"
-        del self.tasks[ts.key]
-        for dep in sorted(ts.dependencies):
-            dep.dependents.discard(ts)
-            dep.waiters.discard(ts)
-            if not dep.dependents and not dep.who_wants and dep.state in ("released", "erred", "memory"):
-                recs[dep] = "forgotten"
-        ts.dependencies.clear()
-        return recs
-
-    # -- helpers
-
-    def _err(self, ts: TaskState, exception: Any, traceback: Any, text: str,
-             blame: TaskState | None = None, kind: str = "") -> dict[TaskState, str]:
-        """Mark ``ts`` and every dependent erred; tell the clients that want them.
-
-        Returns recommendations: inputs nobody needs any more are forgotten, and so is
-        ``ts`` if nobody wants it.
-        """
-        ts.state = "erred"
-        ts.exception, ts.traceback, ts.exception_text = exception, traceback, text
-        ts.exception_blame = blame or ts
-        ts.error_kind = kind
-        ts.waiting_on.clear()
-        recs: dict[TaskState, str] = {}
-        for dep in sorted(ts.dependencies):
-            dep.waiters.discard(ts)
-            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
-                recs[dep] = "forgotten"
-        self._report_error(ts)
-        for dts in sorted(ts.dependents):
-            if dts.state in ("waiting", "queued", "processing", "released"):
-                if dts.state == "queued":
-                    self._dequeue(dts)
-                elif dts.state == "processing" and dts.processing_on is not None:
-                    dts.processing_on.processing.discard(dts)
-                    self._emit(FreeKeys(self._stimulus, dts.processing_on.address, [dts.key]))
-                    dts.processing_on = None
-                recs.update(self._err(dts, exception, traceback, text, blame=ts.exception_blame, kind=kind))
-        if not ts.who_wants and not ts.dependents:
-            recs[ts] = "forgotten"
-        return recs
-
-    def _no_worker_text(self, ts: TaskState) -> str:
-        assert ts.restrictions is not None
-        return (f"ValueError: task {ts.key!r} may only run on workers={sorted(ts.restrictions)}, and no such "
-                f"worker is in the cluster; the workers are {sorted(self.workers)}")
-
-    def _dequeue(self, ts: TaskState) -> None:
-        self.queued.remove(ts)
-        heapq.heapify(self.queued)
-
-    def _report_error(self, ts: TaskState, only: str | None = None) -> None:
-        blame = ts.exception_blame or ts
-        self._to_clients(ts, to_wire(TaskErredMsg(
-            ts.key, ts.exception, ts.traceback, ts.exception_text,
-            kind=blame.error_kind or ts.error_kind, blame=blame.key,
-        )), only=only)
-
-    def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
-        return to_wire(KeyInMemoryMsg(
-            ts.key, ts.nbytes, sorted(ws.address for ws in ts.who_has),
-            shm=ts.shm if self._shm_valid(ts) else None, value=ts.inline,
-        ))
-
-    def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
-        ts.inline = None
-        """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""
-        ts.state = "released"
-        for dts in ts.dependents:
-            if dts.state == "waiting":
-                dts.waiting_on.add(ts)
-            elif dts.state == "queued":
-                self._dequeue(dts)
-                dts.state = "waiting"
-                dts.waiting_on = {d for d in dts.dependencies if d.state != "memory"}
-            # a processing dependent stays: its worker may have the value already, and
-            # gives the task back (reschedule) if it cannot get it
-        if ts.waiters or ts.who_wants:
-            for client in sorted(ts.who_wants):
-                self._emit(ClientMsg(self._stimulus, client, to_wire(LostKeyMsg(ts.key))))
-            recs[ts] = "waiting"
-        else:
-            recs[ts] = "forgotten"
-
-    def _add_replica(self, ts: TaskState, ws: WorkerState) -> None:
-        if ws not in ts.who_has:
-            ts.who_has.add(ws)
-            ws.has_what.add(ts)
-            ws.nbytes += max(ts.nbytes, 0)
-
-    def _to_clients(self, ts: TaskState, msg: dict[str, Any], only: str | None = None) -> None:
-        for client in ([only] if only is not None else sorted(ts.who_wants)):
-            self._emit(ClientMsg(self._stimulus, client, msg))
-
-    def _emit(self, instruction: Instruction) -> None:
-        self._instructions.append(instruction)
 
     def _capacity(self, ws: WorkerState) -> int:
         return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing)
@@ -769,25 +525,3 @@ class SchedulerState:
         for ts in self.tasks.values():
             counts[ts.state] = counts.get(ts.state, 0) + 1
         return counts
-
-
-#: events that only keep time: not logged unless they act (see _check_liveness)
-_CLOCK_EVENTS = frozenset({HeartbeatEvent, CheckLivenessEvent})
-
-#: states that hold a value or will compute one: worth forgetting once nobody needs them
-_ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})
-
-_TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
-    ("released", "waiting"): SchedulerState._released_waiting,
-    ("waiting", "processing"): SchedulerState._waiting_processing,
-    ("queued", "processing"): SchedulerState._queued_processing,
-    ("processing", "memory"): SchedulerState._processing_memory,
-    ("processing", "erred"): SchedulerState._processing_erred,
-    ("processing", "waiting"): SchedulerState._processing_waiting,
-    ("waiting", "released"): SchedulerState._to_released,
-    ("queued", "released"): SchedulerState._to_released,
-    ("processing", "released"): SchedulerState._to_released,
-    ("memory", "released"): SchedulerState._to_released,
-    ("erred", "released"): SchedulerState._to_released,
-    ("released", "forgotten"): SchedulerState._released_forgotten,
-}

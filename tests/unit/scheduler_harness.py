@@ -3,6 +3,7 @@ helpers to read the instructions it returns."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 from typing import Any
@@ -31,8 +32,11 @@ class Sched:
     """Feeds events to a :class:`SchedulerState` and validates it after every step."""
 
     def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
         self.state = SchedulerState(**kwargs)
         self._ids = itertools.count()
+        #: every instruction returned so far, in order (a replay must return the same)
+        self.instructions: list[Any] = []
 
     def sid(self) -> str:
         return f"test-{next(self._ids)}"
@@ -40,7 +44,13 @@ class Sched:
     def __call__(self, *events: Any) -> list[Any]:
         out = self.state.handle(*events)
         self.state.validate()
+        self.instructions.extend(out)
         return out
+
+    def replay(self) -> tuple[SchedulerState, list[Any]]:
+        """A fresh state fed the events this one logged, and what it returned."""
+        fresh = SchedulerState(**self.kwargs)
+        return fresh, fresh.handle(*self.state.log.events)
 
     def ts(self, key: Any) -> TaskState:
         return self.state.tasks[key]
@@ -114,3 +124,17 @@ def msgs(out: list[Any], op: str | None = None) -> list[tuple[str, dict[str, Any
 
 def reported(out: list[Any], op: str) -> list[tuple[str, Any]]:
     return [(c, m["key"]) for c, m in msgs(out, op)]
+
+
+def without_user_data(instructions: list[Any]) -> list[Any]:
+    """Instructions with the opaque user data the log leaves out (payloads, values,
+    exceptions) blanked, for comparing a replay with the run it replays."""
+    out = []
+    for inst in instructions:
+        if isinstance(inst, ComputeTask):
+            inst = dataclasses.replace(inst, payload=None)
+        elif isinstance(inst, ClientMsg):
+            inst = dataclasses.replace(inst, msg={k: v for k, v in inst.msg.items()
+                                                  if k not in ("value", "exception", "traceback")})
+        out.append(inst)
+    return out

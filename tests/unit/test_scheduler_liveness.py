@@ -66,7 +66,11 @@ def test_a_silent_worker_is_removed_after_the_ttl_and_its_tasks_go_elsewhere(s: 
     assert reported(out, "lost-key") == [("c", "x")]
     # a task that freezes its worker counts like one that kills it
     assert s.ts("a").suspicious == s.ts("b").suspicious == 1
-    assert s.state.log[-1][1:] == ("CheckLivenessEvent", "w1")
+    last = s.state.log.events[-1]
+    assert type(last).__name__ == "CheckLivenessEvent"
+    assert [(t.start, t.finish, t.stimulus_id) for t in s.state.story("a")][-3:] == [
+        ("processing", "released", last.stimulus_id), ("released", "waiting", last.stimulus_id),
+        ("waiting", "processing", last.stimulus_id)]
 
 
 def test_a_task_that_freezes_three_workers_errs_with_killed_worker(s: Sched) -> None:
@@ -163,10 +167,12 @@ def test_clients_are_never_removed_for_their_silence(s: Sched) -> None:
     assert s.state.clients == {"c"}
 
 
-def test_time_keeping_events_are_logged_only_when_they_act(s: Sched) -> None:
+def test_time_keeping_events_are_logged_too(s: Sched) -> None:
+    """A replay needs them: heartbeats say when a worker was last heard of."""
     add(s, "w1")
-    before = len(s.state.log)
+    before = len(s.state.log.events)
     beat(s, "w1", 1.0)
     check(s, 1.0)
-    beat(s, "ghost", 2.0)  # a worker already gone: ignored
-    assert len(s.state.log) == before
+    beat(s, "ghost", 2.0)  # a worker already gone: ignored, but logged
+    assert [type(e).__name__ for e in list(s.state.log.events)[before:]] == [
+        "HeartbeatEvent", "CheckLivenessEvent", "HeartbeatEvent"]

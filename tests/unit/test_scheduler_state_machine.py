@@ -15,7 +15,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from scheduler_harness import Sched, msgs
+from scheduler_harness import Sched, msgs, without_user_data
 
 from shoal.scheduler.state import (
     AddWorkerEvent,
@@ -234,6 +234,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.apply(RemoveClientEvent(self.h.sid(), client))
         assert state.tasks == {}, f"left behind: {state.tasks}"
         assert all(not ws.has_what and ws.nbytes == 0 and not ws.processing for ws in state.workers.values())
+        # the log replays the run: a fresh state fed the logged events (user data
+        # dropped) returns the same instructions and ends the same
+        fresh, replayed = self.h.replay()
+        assert without_user_data(replayed) == without_user_data(self.h.instructions)
+        assert fresh.tasks == {} and sorted(fresh.workers) == sorted(state.workers)
+        assert fresh.story() == [] and list(fresh.log.transitions) == list(state.log.transitions)
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -1,0 +1,350 @@
+"""How the scheduler's task states change: the transitions of
+:class:`~shoal.scheduler.state.SchedulerState` (this class is its base), the one writer
+of a task's state (:meth:`TaskTransitions._set_state`, which allows only the edges of
+:data:`_EDGES`), the routes between states (:data:`_TRANSITIONS`) and the helpers they
+share. The theory of operation is in :mod:`shoal.scheduler.state`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
+from ..statelog import InvalidTransition, StateLog
+from .events import ClientMsg, ComputeTask, FreeKeys, Instruction
+from .model import TaskState, TState, WorkerState
+
+__all__ = ["TaskTransitions"]
+
+
+class TaskTransitions:
+    """The transitions of the scheduler's tasks (see :mod:`shoal.scheduler.state`)."""
+
+    # what the scheduler's state holds, used here (set by SchedulerState.__init__)
+    tasks: dict[Any, TaskState]
+    workers: dict[str, WorkerState]
+    queued: list[TaskState]
+    log: StateLog
+    _stimulus: str
+    _instructions: list[Instruction]
+
+    def _decide_worker(self, ts: TaskState) -> WorkerState | None:
+        raise NotImplementedError  # placement: SchedulerState
+
+    def _recommend(self, recs: dict[TaskState, str]) -> None:
+        """Carry out recommendations, and those they lead to, until none are left.
+
+        First in, first out: recommendations are made in priority order (a graph's tasks,
+        a finished task's dependents), so that is the order tasks go to workers in. A
+        task may be recommended twice (say "processing", then "forgotten", which is
+        skipped if a dependent still waits for it): each recommendation is kept, and
+        one that no longer fits the task's state is dropped.
+        """
+        pending = deque(recs.items())
+        while pending:
+            ts, finish = pending.popleft()
+            if ts.state in ("forgotten", finish):
+                continue
+            if finish == "processing" and (ts.state != "waiting" or ts.waiting_on):
+                continue  # moved on since: erred, released, or waiting on a lost input
+            if finish == "waiting" and ts.state != "released":
+                continue  # already on its way, or erred
+            pending.extend(self._transition(ts, finish).items())
+
+    def _set_state(self, ts: TaskState, finish: TState) -> None:
+        """The one place a task's state changes: the pair must be an edge of
+        :data:`_EDGES` (else :class:`InvalidTransition`, and nothing changes), and it is
+        logged with the stimulus that caused it."""
+        start = ts.state
+        if (start, finish) not in _EDGES:
+            raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
+        ts.state = finish
+        self.log.transition(ts.key, start, finish, self._stimulus)
+
+    def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
+        start = ts.state
+        if start == finish:
+            return {}
+        if finish == "forgotten" and start != "released" and (ts.who_wants or ts.waiters):
+            # recommended when nobody needed it; a client or a dependent has come back since
+            return {}
+        func = _TRANSITIONS.get((start, finish))
+        if func is None:
+            # multi-step routes through released
+            if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
+                more = self._transition(ts, "released")
+                return {**more, ts: "forgotten"} if ts.state == "released" else more
+            if finish == "waiting" and start in ("memory", "erred"):
+                # ts first: its inputs, recommended "forgotten" on the way, are needed again
+                more = self._transition(ts, "released")
+                return {ts: "waiting", **more}
+            raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
+        return func(self, ts, *args) or {}
+
+    def _released_waiting(self, ts: TaskState) -> dict[TaskState, str]:
+        if ts.payload is None:
+            # data put on workers directly (scatter) cannot be recomputed
+            text = f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed"
+            return self._err(ts, None, None, text, kind="LostData")
+        recs: dict[TaskState, str] = {}
+        self._set_state(ts, "waiting")
+        ts.waiting_on = set()
+        for dep in sorted(ts.dependencies):
+            if dep.state == "erred":
+                blame = dep.exception_blame or dep
+                return self._err(ts, blame.exception, blame.traceback, blame.exception_text, blame=blame)
+        for dep in sorted(ts.dependencies):
+            dep.waiters.add(ts)
+            if dep.state != "memory":
+                ts.waiting_on.add(dep)
+                if dep.state == "released":
+                    recs[dep] = "waiting"
+        if not ts.waiting_on:
+            recs[ts] = "processing"
+        return recs
+
+    def _waiting_processing(self, ts: TaskState) -> dict[TaskState, str]:
+        if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+            return self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError")
+        ws = self._decide_worker(ts)
+        if ws is None:
+            self._set_state(ts, "queued")
+            heapq.heappush(self.queued, ts)
+            return {}
+        self._send_to(ts, ws)
+        return {}
+
+    def _queued_processing(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
+        self._send_to(ts, ws)
+        return {}
+
+    def _processing_waiting(self, ts: TaskState) -> dict[TaskState, str]:
+        """Run it again (a retry, or the worker gave it back); its inputs stay where they are."""
+        ws = ts.processing_on
+        assert ws is not None
+        ws.processing.discard(ts)
+        ts.processing_on = None
+        self._set_state(ts, "released")
+        return self._released_waiting(ts)
+
+    def _send_to(self, ts: TaskState, ws: WorkerState) -> None:
+        self._set_state(ts, "processing")
+        ts.processing_on = ws
+        ws.processing.add(ts)
+        self._emit(ComputeTask(
+            self._stimulus, ws.address, ts.key, ts.payload,
+            {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
+            {d.key: d.nbytes for d in sorted(ts.dependencies)},
+            ts.priority,
+            {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
+            bool(ts.who_wants),
+        ))
+
+    @staticmethod
+    def _shm_valid(ts: TaskState) -> bool:
+        """Whether ``ts``'s shared-memory copy still exists (its owner holds the key)."""
+        return ts.shm is not None and any(ws.address == ts.shm_owner for ws in ts.who_has)
+
+    def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
+        assert ts.processing_on is not None
+        ts.processing_on.processing.discard(ts)
+        ts.processing_on = None
+        self._set_state(ts, "memory")
+        self._add_replica(ts, ws)
+        return self._on_memory(ts)
+
+    def _on_memory(self, ts: TaskState) -> dict[TaskState, str]:
+        recs: dict[TaskState, str] = {}
+        for dts in sorted(ts.dependents):
+            if ts in dts.waiting_on:
+                dts.waiting_on.discard(ts)
+                if not dts.waiting_on and dts.state == "waiting":
+                    recs[dts] = "processing"
+        ts.waiting_on.clear()
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        if ts.who_wants:
+            self._to_clients(ts, self._in_memory_msg(ts))
+        elif not ts.waiters:
+            recs[ts] = "forgotten"
+        return recs
+
+    def _processing_erred(self, ts: TaskState, exception: Any, traceback: Any, text: str) -> dict[TaskState, str]:
+        assert ts.processing_on is not None
+        ts.processing_on.processing.discard(ts)
+        ts.processing_on = None
+        return self._err(ts, exception, traceback, text)
+
+    def _to_released(self, ts: TaskState) -> dict[TaskState, str]:
+        start = ts.state
+        recs: dict[TaskState, str] = {}
+        if start == "processing":
+            ws = ts.processing_on
+            assert ws is not None
+            ws.processing.discard(ts)
+            ts.processing_on = None
+            self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
+        elif start == "queued":
+            self._dequeue(ts)
+        elif start == "memory":
+            for ws in sorted(ts.who_has, key=lambda w: w.address):
+                ws.has_what.discard(ts)
+                ws.nbytes -= max(ts.nbytes, 0)
+                self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
+            ts.who_has.clear()
+            ts.inline = None
+        elif start == "erred":
+            ts.exception = ts.traceback = ts.exception_blame = None
+            ts.exception_text = ""
+            ts.error_kind = ""
+        self._set_state(ts, "released")
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        ts.waiting_on.clear()
+        # dependents still to run must wait for this value again
+        for dts in ts.dependents:
+            if dts.state == "waiting":
+                dts.waiting_on.add(ts)
+        return recs
+
+    def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
+        if any(d.state in ("waiting", "queued", "processing") for d in ts.dependents):
+            # a dependent still has to run: compute this again
+            return {ts: "waiting"}
+        if ts.who_wants or any(d.state != "forgotten" for d in ts.dependents):
+            return {}  # still needed by a client or by a dependent's record
+        recs: dict[TaskState, str] = {}
+        self._set_state(ts, "forgotten")
+        del self.tasks[ts.key]
+        for dep in sorted(ts.dependencies):
+            dep.dependents.discard(ts)
+            dep.waiters.discard(ts)
+            if not dep.dependents and not dep.who_wants and dep.state in ("released", "erred", "memory"):
+                recs[dep] = "forgotten"
+        ts.dependencies.clear()
+        return recs
+
+    # -- helpers
+
+    def _err(self, ts: TaskState, exception: Any, traceback: Any, text: str,
+             blame: TaskState | None = None, kind: str = "") -> dict[TaskState, str]:
+        """Mark ``ts`` and every dependent erred; tell the clients that want them.
+
+        Returns recommendations: inputs nobody needs any more are forgotten, and so is
+        ``ts`` if nobody wants it.
+        """
+        self._set_state(ts, "erred")
+        ts.exception, ts.traceback, ts.exception_text = exception, traceback, text
+        ts.exception_blame = blame or ts
+        ts.error_kind = kind
+        ts.waiting_on.clear()
+        recs: dict[TaskState, str] = {}
+        for dep in sorted(ts.dependencies):
+            dep.waiters.discard(ts)
+            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                recs[dep] = "forgotten"
+        self._report_error(ts)
+        for dts in sorted(ts.dependents):
+            if dts.state in ("waiting", "queued", "processing", "released"):
+                if dts.state == "queued":
+                    self._dequeue(dts)
+                elif dts.state == "processing" and dts.processing_on is not None:
+                    dts.processing_on.processing.discard(dts)
+                    self._emit(FreeKeys(self._stimulus, dts.processing_on.address, [dts.key]))
+                    dts.processing_on = None
+                recs.update(self._err(dts, exception, traceback, text, blame=ts.exception_blame, kind=kind))
+        if not ts.who_wants and not ts.dependents:
+            recs[ts] = "forgotten"
+        return recs
+
+    def _no_worker_text(self, ts: TaskState) -> str:
+        assert ts.restrictions is not None
+        return (f"ValueError: task {ts.key!r} may only run on workers={sorted(ts.restrictions)}, and no such "
+                f"worker is in the cluster; the workers are {sorted(self.workers)}")
+
+    def _dequeue(self, ts: TaskState) -> None:
+        self.queued.remove(ts)
+        heapq.heapify(self.queued)
+
+    def _report_error(self, ts: TaskState, only: str | None = None) -> None:
+        blame = ts.exception_blame or ts
+        self._to_clients(ts, to_wire(TaskErredMsg(
+            ts.key, ts.exception, ts.traceback, ts.exception_text,
+            kind=blame.error_kind or ts.error_kind, blame=blame.key,
+        )), only=only)
+
+    def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
+        return to_wire(KeyInMemoryMsg(
+            ts.key, ts.nbytes, sorted(ws.address for ws in ts.who_has),
+            shm=ts.shm if self._shm_valid(ts) else None, value=ts.inline,
+        ))
+
+    def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
+        """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""
+        ts.inline = None
+        self._set_state(ts, "released")
+        for dts in sorted(ts.dependents):
+            if dts.state == "waiting":
+                dts.waiting_on.add(ts)
+            elif dts.state == "queued":
+                self._dequeue(dts)
+                self._set_state(dts, "waiting")
+                dts.waiting_on = {d for d in dts.dependencies if d.state != "memory"}
+            # a processing dependent stays: its worker may have the value already, and
+            # gives the task back (reschedule) if it cannot get it
+        if ts.waiters or ts.who_wants:
+            for client in sorted(ts.who_wants):
+                self._emit(ClientMsg(self._stimulus, client, to_wire(LostKeyMsg(ts.key))))
+            recs[ts] = "waiting"
+        else:
+            recs[ts] = "forgotten"
+
+    def _add_replica(self, ts: TaskState, ws: WorkerState) -> None:
+        if ws not in ts.who_has:
+            ts.who_has.add(ws)
+            ws.has_what.add(ts)
+            ws.nbytes += max(ts.nbytes, 0)
+
+    def _to_clients(self, ts: TaskState, msg: dict[str, Any], only: str | None = None) -> None:
+        for client in ([only] if only is not None else sorted(ts.who_wants)):
+            self._emit(ClientMsg(self._stimulus, client, msg))
+
+    def _emit(self, instruction: Instruction) -> None:
+        self._instructions.append(instruction)
+
+
+#: states that hold a value or will compute one: worth forgetting once nobody needs them
+_ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})
+
+#: every change of a task's state that may happen (what :meth:`TaskTransitions._set_state`
+#: allows); the routes of :data:`_TRANSITIONS` are made of these
+_EDGES: frozenset[tuple[TState, TState]] = frozenset({
+    ("released", "waiting"), ("released", "memory"), ("released", "erred"), ("released", "forgotten"),
+    ("waiting", "queued"), ("waiting", "processing"), ("waiting", "released"), ("waiting", "erred"),
+    ("queued", "processing"), ("queued", "waiting"), ("queued", "released"), ("queued", "erred"),
+    ("processing", "memory"), ("processing", "released"), ("processing", "erred"),
+    ("memory", "released"),
+    ("erred", "released"),
+})
+
+_TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
+    ("released", "waiting"): TaskTransitions._released_waiting,
+    ("waiting", "processing"): TaskTransitions._waiting_processing,
+    ("queued", "processing"): TaskTransitions._queued_processing,
+    ("processing", "memory"): TaskTransitions._processing_memory,
+    ("processing", "erred"): TaskTransitions._processing_erred,
+    ("processing", "waiting"): TaskTransitions._processing_waiting,
+    ("waiting", "released"): TaskTransitions._to_released,
+    ("queued", "released"): TaskTransitions._to_released,
+    ("processing", "released"): TaskTransitions._to_released,
+    ("memory", "released"): TaskTransitions._to_released,
+    ("erred", "released"): TaskTransitions._to_released,
+    ("released", "forgotten"): TaskTransitions._released_forgotten,
+}
