@@ -69,7 +69,7 @@ with atheris.instrument_imports(include=["shoal", "msgpack"]):
 
     import shoal.comm  # noqa: F401 - registers the shoal.same-host family
     import shoal.taskspec  # noqa: F401 - registers the shoal.runspec family
-    from shoal.comm import framing, shm
+    from shoal.comm import framing, shm, shm_files
     from shoal.comm.handshake import decode_stranger
     from shoal.errors import ProtocolError
     import shoal.protocol.core  # noqa: F401 - taken from sys.modules below
@@ -82,7 +82,7 @@ serialize = sys.modules["shoal.protocol.serialize"]
 # ------------------------------------------------------------------ harm reduction
 
 _SHM_DIR = tempfile.mkdtemp(prefix="shoal-fuzz-shm-")
-shm.SHM_DIR = _SHM_DIR
+shm_files.SHM_DIR = _SHM_DIR  # the file rules read it at each use
 atexit.register(shutil.rmtree, _SHM_DIR, ignore_errors=True)
 
 _ALLOWED_GLOBALS = {
@@ -250,7 +250,7 @@ def _put_segments_back() -> None:
         path = os.path.join(_SHM_DIR, name)
         if not os.path.exists(path):
             with open(path, "wb") as f:
-                f.write(shm._header(token).ljust(size, b"\1"))
+                f.write(shm_files.segment_header(token).ljust(size, b"\1"))
     shm.work_off()  # adopted segments given back or removed meanwhile
 
 

@@ -36,21 +36,18 @@ from typing import Any
 from ..protocol import SAME_HOST
 from ..protocol.core import decoding_leases
 from ..protocol.messages import SegmentRef
-from . import shm as _shm
 from .shm import (
-    _DATA_OFFSET,
-    PREFIX,
     ShmUnavailable,
-    _align,
-    _fill_segment,
-    _path,
     enabled,
+    fill_segment,
     locate,
     map_segment,
+    registry,
     retire_later,
     unlink,
     work_off,
 )
+from .shm_files import DATA_OFFSET, PREFIX, align, segment_path
 from .shm_handover import adopt_segment, give_back_later, reclaim_returned
 
 __all__ = ["TRANSFER_MIN_BYTES", "shm_bytes", "PlacedBuffers", "place_buffers", "hand_over_buffers",
@@ -67,7 +64,7 @@ TRANSFER_MIN_BYTES = 1 << 20
 #: name says that process made it (``shoal-<pid>-...``): the others are only mapped.
 receiving_from: contextvars.ContextVar[int | None] = contextvars.ContextVar("receiving_from", default=None)
 #: whether a transfer named after another process than the peer was reported
-_warned_foreign: list[bool] = []
+warned_foreign: list[bool] = []
 
 
 def _from_peer(name: str) -> bool:
@@ -76,8 +73,8 @@ def _from_peer(name: str) -> bool:
     pid = receiving_from.get()
     if pid is None or name.startswith(f"{PREFIX}{pid}-"):
         return True
-    if not _warned_foreign:
-        _warned_foreign.append(True)
+    if not warned_foreign:
+        warned_foreign.append(True)
         logger.warning("process %d sent a transfer segment named %r, which is not named after it: "
                        "mapped, but neither removed nor taken over (further ones are not reported)",
                        pid, name[:300])
@@ -101,7 +98,7 @@ def _same_host_dumps(obj: Any, destination: str) -> tuple[dict[str, Any], list[A
     private: list[int] = []
     for i, raw in enumerate(raws):
         where = locate(raw) if use else None
-        if where is not None and not os.path.exists(_path(where[0])):
+        if where is not None and not os.path.exists(segment_path(where[0])):
             where = None  # its name was removed: a receiver could not map it
         if where is not None:
             name, size, offset, length, token = where
@@ -132,7 +129,7 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
     frame, each ``[name, size, offset, length, flag, token]`` is mapped from its
     segment (copy-on-write; with ``own`` in mappings of their own, see
     :func:`~.shm.map_segment`); with flag 1 (a transfer) the name is removed once mapped,
-    or the file kept under a name of this process (:data:`.shm.adopt_transfers`), but
+    or the file kept under a name of this process (``registry.adopt_transfers``), but
     only for an entry its sender leased, and named after the peer (module docstring);
     any other flag-1 ref counts as flag 0. Raises ``FileNotFoundError`` for a segment
     that is gone or no segment of this user, ``ValueError`` for refs that do not
@@ -152,14 +149,14 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], own: bool = False) -> l
         # a transfer (flag 1) is ours once mapped: a worker keeps it under a name of its
         # own (its peers may map it then); any other process removes the name
         take = r.flag == 1 and leased and _from_peer(r.name)
-        adopt = take and not own and _shm.adopt_transfers
+        adopt = take and not own and registry.adopt_transfers
         view = views.get((r.name, r.token))
         if view is None or view.nbytes < r.size:
             view = views[r.name, r.token] = map_segment(r.name, r.size, r.token, own=own, adopt=adopt, take=take)
         buffers.append(view[r.offset : r.offset + r.length])
         if take and not adopt:
             try:
-                os.unlink(_path(r.name))
+                os.unlink(segment_path(r.name))
             except FileNotFoundError:
                 pass
     return buffers
@@ -191,7 +188,7 @@ def place_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_BYTE
     :class:`ShmUnavailable` (nothing is left behind)."""
     work_off()  # segments of payloads that are gone: reusable now
     # the layout of a placed value: one segment size fits either
-    placed = _copy_big(raws, min_bytes, _DATA_OFFSET, flag=0)
+    placed = _copy_big(raws, min_bytes, DATA_OFFSET, flag=0)
     if placed is None:
         return None
     refs, name, size = placed
@@ -207,7 +204,7 @@ def hand_over_buffers(raws: Sequence[memoryview], min_bytes: int = TRANSFER_MIN_
 
     if any(r.nbytes >= min_bytes for r in raws) and enabled():
         reclaim_returned()  # segments the receiver gave back: their pages are there
-    placed = _copy_big(raws, min_bytes, _DATA_OFFSET, flag=1)
+    placed = _copy_big(raws, min_bytes, DATA_OFFSET, flag=1)
     if placed is None:
         return None
     refs, name, _ = placed
@@ -223,8 +220,8 @@ def _copy_big(raws: Sequence[memoryview], min_bytes: int, start: int, flag: int)
     spans: dict[int, int] = {}
     for i in big:
         spans[i] = pos
-        pos = _align(pos + raws[i].nbytes)
-    name, size, token = _fill_segment(pos, [(spans[i], raws[i]) for i in big], keep=flag == 0)
+        pos = align(pos + raws[i].nbytes)
+    name, size, token = fill_segment(pos, [(spans[i], raws[i]) for i in big], keep=flag == 0)
     refs: list[Any] = [None] * len(raws)
     for i in big:
         refs[i] = SegmentRef(name, size, spans[i], raws[i].nbytes, flag, token).to_list()

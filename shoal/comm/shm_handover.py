@@ -6,34 +6,28 @@ name of its own) and, when it drops the value, *gives it back* to the process th
 it if that process is one it serves (:data:`return_to`), which takes it into its pool
 (:func:`reclaim_returned`) and reuses the pages for its next transfers. A worker that
 keeps a scattered value's transfer segment turns it into a value segment that others
-map without it (:func:`describe_kept`). The file rules are those of :mod:`.shm`; see
-docs/protocol.md, §4.8 *Adoption* and §8.2.
+map without it (:func:`describe_kept`). The file rules are those of :mod:`.shm_files`,
+and each step is one of the registry's (:class:`.shm_registry.SegmentRegistry`: adopt,
+give back, reclaim); see docs/protocol.md, §4.8 *Adoption* and §8.2.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import secrets
-import stat
 from typing import Any
 
-from . import shm
-from .shm import (
-    _HEADER,
+from .shm import SegmentInfo, locate, registry, unlink
+from .shm_files import (
+    HEADER,
     PREFIX,
     SHM_DIR,
-    SegmentInfo,
-    _close_writer,
-    _header,
-    _new_name,
-    _open_segment,
-    _path,
-    _pwrite_all,
-    locate,
-    owned,
+    is_own_file,
+    open_segment,
     process_gone,
-    unlink,
+    pwrite_all,
+    segment_header,
+    segment_path,
 )
 
 __all__ = ["return_to", "adopt_segment", "give_back_later", "reclaim_returned", "describe_kept"]
@@ -48,26 +42,25 @@ def adopt_segment(name: str, token: str) -> str | None:
     name of ours (its sender then cannot remove it) and mark it a value segment (no
     peer can hand it over again); the new name, or ``None`` if it is gone, holds
     something else than generation ``token`` of a transfer segment (a value segment's
-    owner keeps it) or is no segment of this user (see :func:`.shm._open_segment`)."""
+    owner keeps it) or is no segment of this user (see :func:`.shm_files.open_segment`)."""
     try:
-        fd, _ = _open_segment(name, os.O_RDWR)
+        fd, _ = open_segment(name, os.O_RDWR)
     except (OSError, ValueError):
         return None
     try:
-        if os.pread(fd, _HEADER, 0) != _header(token, transfer=True):
+        if os.pread(fd, HEADER, 0) != segment_header(token, transfer=True):
             return None
-        new = _new_name()
-        os.rename(_path(name), _path(new))
-        _pwrite_all(fd, _header(token), 0)
+        new = registry.adopt(name)
+        try:
+            pwrite_all(fd, segment_header(token), 0)
+        except OSError:
+            unlink(new)
+            raise
     except OSError:
         return None
     finally:
         os.close(fd)
-    with shm._lock:
-        shm._owned.add(new)
     return new
-
-
 
 
 def give_back_later(name: str, sender: int | None) -> None:
@@ -75,23 +68,12 @@ def give_back_later(name: str, sender: int | None) -> None:
     that made it (renamed ``shoal-<sender>-ret...``, for it to reuse) if that process
     is in :data:`return_to`, else remove it. Only queued (a finalizer calls it): done
     at the next call into the pool (:func:`.shm.later`)."""
-    shm.later(_give_back, name, sender)
+    registry.later(_give_back, name, sender)
 
 
 def _give_back(name: str, sender: int | None) -> None:
-    if sender is not None and sender in return_to and not process_gone(sender):
-        try:
-            os.rename(_path(name), _path(f"{PREFIX}{sender}-ret{next(shm._counter)}-{secrets.token_hex(4)}"))
-        except OSError:
-            pass
-        else:
-            with shm._lock:
-                shm._owned.discard(name)
-                shm._retired_at.pop(name, None)
-                writer = shm._writers.pop(name, None)
-            if writer is not None:
-                _close_writer(writer)
-            return
+    if sender is not None and sender in return_to and not process_gone(sender) and registry.give_back(name, sender):
+        return
     unlink(name)
 
 
@@ -116,13 +98,13 @@ def describe_kept(value: Any) -> SegmentInfo | None:
             return None
         segment = where
         spans.append([where[2], where[3]])
-    if segment is None or segment[0] not in owned() or _HEADER + len(data) > min(o for o, _ in spans):
+    if segment is None or registry.state(segment[0]) is None or HEADER + len(data) > min(o for o, _ in spans):
         return None
     name, size, _, _, token = segment
     try:
-        fd, _ = _open_segment(name, os.O_WRONLY)
+        fd, _ = open_segment(name, os.O_WRONLY)
         try:
-            _pwrite_all(fd, data, _HEADER)
+            pwrite_all(fd, data, HEADER)
         finally:
             os.close(fd)
     except OSError:
@@ -142,18 +124,13 @@ def reclaim_returned() -> int:
     for name in names:
         try:
             # anyone may make a file by such a name: take only this user's regular ones
-            st = os.lstat(_path(name))
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != shm._euid:
+            st = os.lstat(segment_path(name))
+            if not is_own_file(st):
                 continue
-            size = st.st_size
-            pooled = _new_name("pool")
-            os.rename(_path(name), _path(pooled))
         except (OSError, ValueError):
             continue
-        with shm._lock:
-            shm._owned.add(pooled)
-        shm._retire(pooled, size)  # into the pool, or removed if the pool is full
-        taken += 1
+        # into the pool, or removed if the pool is full
+        taken += registry.reclaim(name, st.st_size)
     return taken
 
 

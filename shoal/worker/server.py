@@ -1,6 +1,14 @@
 """The worker's IO: an event loop thread for comms, the state machine and serving data;
 executor threads for tasks.
 
+Input from peers is checked where it is decoded; beyond that, an exception while the
+state machine handles an event (or while its instructions are carried out) is a bug of
+shoal's: it is reported with the stories of the keys involved
+(:func:`shoal.statelog.internal_error`) and the worker closes, as if it had died,
+rather than go on with a state that may be half-changed. Its scheduler computes its
+tasks elsewhere; a nanny (a :class:`~shoal.LocalCluster` with processes) starts a new
+worker.
+
 The loop never runs user code. Tasks run in a thread pool of ``nthreads`` threads;
 their payloads are deserialized there too (with the function cache), so a payload that
 cannot be deserialized fails that one task with the real exception. Peers' ``get-data``
@@ -26,6 +34,7 @@ from ..comm.core import local_info
 from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
 from ..errors import AuthenticationError, CommBrokenError, HandshakeError
 from .. import config
+from ..statelog import internal_error
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
@@ -107,6 +116,8 @@ class Worker:
         self._born_in_shm = False
         #: bytes of values this worker sent or received, by how they travelled
         self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
+        #: the state machine failed (a bug): it gets no more events, the worker closes
+        self.broken = False
 
     @property
     def address(self) -> str:
@@ -143,7 +154,7 @@ class Worker:
         # results go to shared memory when this worker is a process of its own
         self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
         if self.use_shm:
-            shm.adopt_transfers = True  # values sent here (scatter, fetches) stay mappable
+            shm.registry.adopt_transfers = True  # values sent here (scatter, fetches) stay mappable
         threshold = config.get("shm-alloc-threshold")
         self._born_in_shm = self.use_shm and threshold > 0 and shm_born.enable_array_allocator(threshold)
         if self.use_shm and config.get("shm-pool-idle") > 0:
@@ -191,17 +202,20 @@ class Worker:
                     match msg:
                         case ComputeTaskMsg():
                             self._count_payload(msg.payload)
+                            # the scheduler's stimulus, when it says: its story and ours meet
                             events.append(ComputeTaskEvent(
-                                self._stimulus("compute"), msg.key, msg.payload, msg.who_has, msg.nbytes,
-                                tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
+                                msg.stimulus_id or self._stimulus("compute"), msg.key, msg.payload, msg.who_has,
+                                msg.nbytes, tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
                             ))
                         case FreeKeysMsg():
-                            events.append(FreeKeysEvent(self._stimulus("free"), msg.keys))
+                            events.append(FreeKeysEvent(msg.stimulus_id or self._stimulus("free"), msg.keys))
                         case CloseMsg():
-                            self._apply_logged(events)
+                            if events:
+                                self._apply(*events)
                             await self.close(report=False)
                             return
-                self._apply_logged(events)
+                if events and not self._apply(*events):
+                    return  # broken: closing
                 # hold no message (nor a task's payload) while waiting for the next
                 events = raw = msg = None
                 if self.use_shm:
@@ -228,20 +242,44 @@ class Worker:
 
     # -- state machine driving
 
-    def _apply_logged(self, events: list[Any]) -> None:
-        """Apply events from the scheduler stream; a failure is logged, and the stream
-        keeps being read (a reader that died silently would strand every task)."""
-        if not events:
-            return
+    def _apply(self, *events: Any) -> bool:
+        """Hand ``events`` to the state machine and carry out its instructions; returns
+        whether that went through. An exception in either is a bug (the events' input
+        was checked when it was decoded): it is reported with the stories of the events'
+        keys, and the worker closes (``False``); a broken worker takes no more events."""
+        state = self.state
+        assert state is not None
+        if self.broken:
+            return False
         try:
-            self._apply(*events)
-        except Exception:
-            logger.exception("handling %d message(s) from the scheduler failed", len(events))
+            instructions = state.handle(*events)
+        except Exception as exc:
+            self._internal_error(exc, events)
+            return False
+        for inst in instructions:
+            try:
+                self._do(inst)
+            except Exception as exc:
+                if self.status != "running":
+                    # closing: the executor and the streams go away under us
+                    logger.debug("while closing, %s was not carried out: %s", type(inst).__name__, describe(exc))
+                    continue
+                self._internal_error(exc, events)
+            if self.broken:
+                return False  # (an instruction that applied events of its own failed)
+        return True
 
-    def _apply(self, *events: Any) -> None:
+    def _internal_error(self, exc: Exception, events: tuple[Any, ...]) -> None:
+        """A bug met while handling ``events``: report it (logged at CRITICAL with the
+        stories of their keys, kept in :data:`shoal.statelog.internal_errors`), and
+        close this worker as if it had died (no ``unregister``: the scheduler counts the
+        tasks it ran as suspicious, so a task that breaks every worker errs at last)."""
         assert self.state is not None
-        for inst in self.state.handle(*events):
-            self._do(inst)
+        self.broken = True
+        internal_error("worker", exc, self.state.log, _keys_of(events))
+        if self.status == "running":
+            logger.critical("worker %s closes after an internal error", self.address)
+            self._spawn(self.close(report=False))
 
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, Execute):
@@ -274,7 +312,8 @@ class Worker:
         def work() -> None:
             if ts.state != "executing":
                 # released while it waited for a thread: report at once, run nothing
-                report_back(ExecuteFailureEvent(f"task-skipped-{key}", key, None, "", "released before it ran"), None)
+                report_back(ExecuteFailureEvent(self._stimulus(f"task-skipped-{key}"), key, None, "",
+                                                "released before it ran"), None)
                 return
             segment: shm.Segment | None = None
             event: ExecuteSuccessEvent | ExecuteFailureEvent
@@ -291,7 +330,7 @@ class Worker:
                     value = run(spec, deps)
                     duration = time.perf_counter() - start
                 except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                    event = _failure(key, exc, destination)
+                    event = _failure(self._stimulus(f"task-erred-{key}"), key, exc, destination)
                 else:
                     try:
                         nbytes = sizeof(value, strict=True)
@@ -303,13 +342,13 @@ class Worker:
                     if placed is not None:
                         segment, value = placed
                     inline = _inline(value, nbytes, destination) if report else None
-                    event = ExecuteSuccessEvent(f"task-finished-{key}", key, value, nbytes, duration,
+                    event = ExecuteSuccessEvent(self._stimulus(f"task-finished-{key}"), key, value, nbytes, duration,
                                                 None if segment is None else segment.info, inline)
             except BaseException as exc:  # noqa: BLE001 - whatever a result made us raise is its task's
                 if segment is not None:
                     segment.unlink()
                     segment = None
-                event = _failure(key, exc, destination)
+                event = _failure(self._stimulus(f"task-erred-{key}"), key, exc, destination)
             report_back(event, segment)
 
         def report_back(event: Any, segment: shm.Segment | None) -> None:
@@ -459,7 +498,9 @@ class Worker:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
         nbytes = {k: sizeof(v) for k, v in values.items()}
         self._count(comm, sum(nbytes.values()), values.values())
-        self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes))
+        if not self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes)):
+            raise RuntimeError(f"worker {self.address} met an internal error and is closing; "
+                               f"{short_repr(list(values), 200)} not stored")
         reply: dict[str, Any] = {"nbytes": nbytes}
         if self.use_shm and comm.destination == SAME_HOST:
             # values kept in the segments they came in: same-host peers may map them
@@ -531,7 +572,7 @@ def _report_crash(fut: Any) -> None:
         logger.error("a task thread failed outside the task itself", exc_info=exc)
 
 
-def _failure(key: Any, exc: BaseException, destination: str) -> ExecuteFailureEvent:
+def _failure(stimulus_id: str, key: Any, exc: BaseException, destination: str) -> ExecuteFailureEvent:
     """The event of a task that raised ``exc`` (its function, or anything shoal did
     with its result): the exception as it can travel, its traceback and text, made
     whatever the exception's ``__str__`` or ``__reduce__`` do."""
@@ -539,7 +580,25 @@ def _failure(key: Any, exc: BaseException, destination: str) -> ExecuteFailureEv
         tb = "".join(traceback.format_exception(exc))
     except BaseException:  # noqa: BLE001 - formatting calls the exception's methods
         tb = ""
-    return ExecuteFailureEvent(f"task-erred-{key}", key, _exception_for(exc, destination), tb, describe(exc))
+    return ExecuteFailureEvent(stimulus_id, key, _exception_for(exc, destination), tb, describe(exc))
+
+
+def _keys_of(events: tuple[Any, ...]) -> list[Any]:
+    """The keys ``events`` are about (their stories tell what led to a failure)."""
+    keys: list[Any] = []
+    for ev in events:
+        if isinstance(ev, ComputeTaskEvent):
+            keys.append(ev.key)
+            keys.extend(ev.who_has)
+        elif isinstance(ev, (ExecuteSuccessEvent, ExecuteFailureEvent)):
+            keys.append(ev.key)
+        elif isinstance(ev, FreeKeysEvent):
+            keys.extend(ev.keys)
+        elif isinstance(ev, (GatherDepSuccessEvent, GatherDepFailureEvent)):
+            keys.extend(ev.requested)
+        elif isinstance(ev, UpdateDataEvent):
+            keys.extend(ev.data)
+    return keys
 
 
 def _exception_for(exc: BaseException, destination: str) -> Any:

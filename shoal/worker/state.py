@@ -8,7 +8,7 @@ instructions for the server (``Execute`` a task, ``GatherDep`` from a peer,
 ``SendMsg`` to the scheduler). It imports no asyncio and reads no clock.
 
 A key the worker knows is either a task to compute (sent by the scheduler) or a
-dependency to fetch from peers. States::
+dependency to fetch from peers. States (``WState``)::
 
     compute:  waiting -> ready -> executing -> memory            (or: error, reported)
                                       \\-> cancelled (freed while running; the result is
@@ -16,6 +16,23 @@ dependency to fetch from peers. States::
     fetch:    fetch -> flight -> memory
                  ^--------/ (missing on that peer: the next holder; none left: the tasks
                             that need it go back to the scheduler, ``reschedule``)
+
+``released`` is where a key starts (a record just made) and ends: a released key is
+forgotten at once (it leaves ``tasks``, its value leaves ``data``), so no key rests in
+it between two calls of ``handle()``. A task that erred is reported (``task-erred``)
+and forgotten: the worker keeps no ``error`` state. A key whose value will not come
+from where it was expected (its computation failed or was freed, its holder did not
+have it) goes back to ``fetch`` if a local task needs it and another holder has it.
+
+Transitions are data: ``_TRANSITIONS`` lists, for each state, the states it may go to,
+and :meth:`WorkerState._set_state` is the one place a key's state changes. An illegal
+pair raises :class:`~shoal.statelog.InvalidTransition` and changes nothing; every legal
+one is kept in ``log`` (a :class:`~shoal.statelog.StateLog`) with the stimulus that
+caused it, next to the events handled (less their values), so that ``story(key)``
+tells what happened to a key, and feeding ``log.events`` to a fresh ``WorkerState``
+(same parameters, the same grouping into ``handle()`` calls) replays the run: the
+machine is deterministic (no clock, no set order: ties break by creation order). The
+messages it sends carry the id of the stimulus that caused them (``stimulus_id``).
 
 A fetch that fails (the server has already retried it, with backoff, as often as
 ``gather-attempts`` says) counts against its peer. After ``max_peer_failures`` failed
@@ -43,38 +60,43 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..protocol.messages import Key
+from ..statelog import InvalidTransition, StateLog, Transition
+from . import events as _events
+from .events import (
+    AttachShm,
+    ComputeTaskEvent,
+    Event,
+    Execute,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDep,
+    GatherDepFailureEvent,
+    GatherDepSuccessEvent,
+    Instruction,
+    SendMsg,
+    UpdateDataEvent,
+)
 
-__all__ = [
-    "WorkerState",
-    "WTask",
-    "ComputeTaskEvent",
-    "FreeKeysEvent",
-    "ExecuteSuccessEvent",
-    "ExecuteFailureEvent",
-    "GatherDepSuccessEvent",
-    "GatherDepFailureEvent",
-    "UpdateDataEvent",
-    "Execute",
-    "GatherDep",
-    "AttachShm",
-    "SendMsg",
-    "SHM",
-]
+__all__ = ["WorkerState", "WTask", "WState", "SHM", *_events.__all__]
 
 #: the pseudo-peer that stands for "map it from shared memory" in fetch bookkeeping
 SHM = "shm://"
+
+#: a key's state on a worker (see the theory of operation above, and ``_TRANSITIONS``)
+WState = Literal["released", "waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"]
 
 
 @dataclass(eq=False)
 class WTask:
     key: Key
-    state: str = "released"
+    #: written by :meth:`WorkerState._set_state` only
+    state: WState = "released"
     payload: Any = None
     #: a client waits for the value (the scheduler said so): small ones travel inline
     report: bool = False
@@ -97,114 +119,6 @@ class WTask:
 
     def __lt__(self, other: WTask) -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
-
-
-# ------------------------------------------------------------------------------ events
-
-
-@dataclass
-class Event:
-    stimulus_id: str
-
-
-@dataclass
-class ComputeTaskEvent(Event):
-    key: Key
-    payload: Any
-    who_has: dict[Key, list[str]]
-    nbytes: dict[Key, int]
-    priority: tuple[int, ...]
-    #: inputs that their owners placed in shared memory: key -> segment description
-    shm: dict[Key, Any] = field(default_factory=dict)
-    #: a client waits for this value: send it along with task-finished if it is small
-    report: bool = False
-
-
-@dataclass
-class FreeKeysEvent(Event):
-    keys: list[Key]
-
-
-@dataclass
-class ExecuteSuccessEvent(Event):
-    key: Key
-    value: Any
-    nbytes: int
-    duration: float = 0.0
-    #: where the value was placed in shared memory (reported to the scheduler)
-    shm: Any = None
-    #: the value itself, serialized for the scheduler, when small and wanted by a client
-    inline: Any = None
-
-
-@dataclass
-class ExecuteFailureEvent(Event):
-    key: Key
-    exception: Any
-    traceback: Any
-    text: str
-
-
-@dataclass
-class GatherDepSuccessEvent(Event):
-    worker: str
-    #: values received; requested keys absent here were missing on the peer
-    data: dict[Key, Any]
-    requested: list[Key]
-    nbytes: dict[Key, int] = field(default_factory=dict)
-
-
-@dataclass
-class GatherDepFailureEvent(Event):
-    worker: str
-    requested: list[Key]
-    text: str = ""
-    #: the peer answered, but cannot send these values here (they do not serialize):
-    #: the error (as it travels in ``task-erred``) for the tasks that need them
-    unsendable: Any = None
-    #: why the fetch failed, as it travels in ``task-erred``: the tasks that need these
-    #: values err with it if this worker gives up on the peer (``max_peer_failures``)
-    exception: Any = None
-
-
-@dataclass
-class UpdateDataEvent(Event):
-    data: dict[Key, Any]
-    nbytes: dict[Key, int]
-
-
-# ------------------------------------------------------------------------ instructions
-
-
-@dataclass
-class Instruction:
-    stimulus_id: str
-
-
-@dataclass
-class Execute(Instruction):
-    key: Key
-
-
-@dataclass
-class GatherDep(Instruction):
-    worker: str
-    keys: list[Key]
-    total_nbytes: int
-
-
-@dataclass
-class AttachShm(Instruction):
-    """Map these inputs from shared memory (no peer involved); answer with
-    ``GatherDepSuccessEvent``/``GatherDepFailureEvent`` from worker ``SHM``."""
-
-    keys: list[Key]
-    infos: list[Any]
-
-
-@dataclass
-class SendMsg(Instruction):
-    msg: dict[str, Any]
 
 
 # -------------------------------------------------------------------------- the state
@@ -243,7 +157,8 @@ class WorkerState:
         self.max_peer_failures = max_peer_failures
         #: peer -> fetches from it that failed in a row (bounded: see _count_failure)
         self.peer_failures: dict[str, int] = {}
-        self.log: deque[tuple[str, str, Any]] = deque(maxlen=log_size)
+        #: the events handled (their values dropped) and every key's transitions
+        self.log = StateLog(events=log_size, transitions=10 * log_size)
         self._out: list[Instruction] = []
         self._seq = itertools.count()
         self._stimulus = ""
@@ -258,17 +173,34 @@ class WorkerState:
         }
 
     def handle(self, *events: Event) -> list[Instruction]:
-        """Apply events in order; return the instructions they produce."""
+        """Apply events in order; return the instructions they produce. Raises only on
+        a bug of this machine (e.g. :class:`~shoal.statelog.InvalidTransition`): the
+        state may then be half-changed, and the worker must not go on with it."""
         out: list[Instruction] = []
         self._out = out
         for event in events:
             self._stimulus = event.stimulus_id
-            self.log.append((event.stimulus_id, type(event).__name__, getattr(event, "key", None)))
+            self.log.event(event)
             self._handlers[type(event)](event)
         self._ensure_communicating()
         self._ensure_computing()
         self._out = []
         return out
+
+    def story(self, *keys: Key) -> list[Transition]:
+        """What happened to ``keys`` here: their transitions still in the log, oldest
+        first, each with the stimulus that caused it."""
+        return self.log.story(*keys)
+
+    def _set_state(self, ts: WTask, finish: WState) -> None:
+        """The one place a key's state changes: ``finish`` must be in
+        ``_TRANSITIONS[ts.state]`` (else :class:`~shoal.statelog.InvalidTransition`, and
+        nothing changes); the change is logged with the current stimulus."""
+        start = ts.state
+        if finish not in _TRANSITIONS[start]:
+            raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
+        ts.state = finish
+        self.log.transition(ts.key, start, finish, self._stimulus)
 
     # -- events
 
@@ -280,7 +212,7 @@ class WorkerState:
                 self._send({"op": "task-finished", "key": ts.key, "nbytes": ts.nbytes})
                 return
             if ts.state == "cancelled":
-                ts.state = "executing"  # still running: report it this time
+                self._set_state(ts, "executing")  # still running: report it this time
                 ts.origin = "compute"
                 return
             if ts.state in ("waiting", "ready", "executing"):
@@ -321,13 +253,13 @@ class WorkerState:
                 dts.shm = ev.shm[dep_key]
             ts.waiting_for_data.add(dts)
             if dts.state == "released":
-                dts.state = "fetch"
+                self._set_state(dts, "fetch")
                 self.fetching.add(dts)
             elif dts.state in ("fetch", "flight"):
                 dts.priority = min(dts.priority, ts.priority)
             # else it is being computed here (waiting, ready, executing, cancelled)
         if ts.waiting_for_data:
-            ts.state = "waiting"
+            self._set_state(ts, "waiting")
         else:
             self._make_ready(ts)
 
@@ -338,7 +270,8 @@ class WorkerState:
                 continue  # fetches are this worker's business, not the scheduler's
             if ts.state in ("executing", "cancelled"):
                 # the thread cannot be stopped: drop (or keep for a local task) its result
-                ts.state = "cancelled"
+                if ts.state == "executing":
+                    self._set_state(ts, "cancelled")
                 ts.origin = "fetched"
             elif self._needed(ts):
                 if ts.state == "memory":
@@ -483,10 +416,12 @@ class WorkerState:
     # -- helpers
 
     def _send(self, msg: dict[str, Any]) -> None:
+        # the receiver files what it does about it under this stimulus too (protocol §6)
+        msg["stimulus_id"] = self._stimulus
         self._out.append(SendMsg(self._stimulus, msg))
 
     def _make_ready(self, ts: WTask) -> None:
-        ts.state = "ready"
+        self._set_state(ts, "ready")
         heapq.heappush(self.ready, ts)
 
     def _needed(self, ts: WTask) -> bool:
@@ -496,7 +431,8 @@ class WorkerState:
     def _put(self, ts: WTask, value: Any) -> None:
         """``ts``'s value is here: store it and wake the tasks waiting for it."""
         self.fetching.discard(ts)
-        ts.state = "memory"
+        if ts.state != "memory":  # else a new value (scattered again) replaces the old
+            self._set_state(ts, "memory")
         self.data[ts.key] = value
         for dts in sorted(ts.dependents):
             if ts in dts.waiting_for_data:
@@ -508,7 +444,7 @@ class WorkerState:
         """The segment could not be mapped (gone, or not our domain): ask the holders."""
         ts.shm = None
         if ts.who_has:
-            ts.state = "fetch"
+            self._set_state(ts, "fetch")
             self.fetching.add(ts)
         else:
             self._lose(ts)
@@ -535,7 +471,7 @@ class WorkerState:
             self._release_unneeded_deps(ts)
             ts.payload = None
             ts.origin = "fetched"
-            ts.state = "fetch"
+            self._set_state(ts, "fetch")
             self.fetching.add(ts)
             return
         for dts in waiting:
@@ -554,7 +490,7 @@ class WorkerState:
         if ts.coming_from is not None:
             self.in_flight_workers.get(ts.coming_from, set()).discard(ts)
             ts.coming_from = None
-        ts.state = "released"
+        self._set_state(ts, "released")
 
     def _release(self, ts: WTask) -> None:
         """Forget ``ts`` entirely (its value too) and drop inputs nobody needs now.
@@ -564,7 +500,8 @@ class WorkerState:
         """
         self.data.pop(ts.key, None)
         if ts in self.executing:
-            ts.state = "cancelled"
+            if ts.state != "cancelled":
+                self._set_state(ts, "cancelled")
             ts.origin = "fetched"
             return
         self._drop_fetch(ts)
@@ -591,7 +528,7 @@ class WorkerState:
             ts = heapq.heappop(self.ready)
             if ts.state != "ready" or self.tasks.get(ts.key) is not ts:
                 continue  # released while queued
-            ts.state = "executing"
+            self._set_state(ts, "executing")
             self.executing.add(ts)
             self._out.append(Execute(self._stimulus, ts.key))
 
@@ -602,7 +539,7 @@ class WorkerState:
             mappable = [t for t in sorted(self.fetching) if t.state == "fetch" and t.shm is not None]
             if mappable:
                 for t in mappable:
-                    t.state = "flight"
+                    self._set_state(t, "flight")
                     t.coming_from = SHM
                     self.fetching.discard(t)
                 self.in_flight_workers[SHM] = set(mappable)
@@ -629,7 +566,7 @@ class WorkerState:
                 batch.append(other)
                 total += other.nbytes
             for t in batch:
-                t.state = "flight"
+                self._set_state(t, "flight")
                 t.coming_from = peer
                 self.fetching.discard(t)
             self.in_flight_workers[peer] = set(batch)
@@ -722,4 +659,33 @@ def _dependents_first(tasks: set[WTask]) -> list[WTask]:
 #: peers whose failures are counted at most (peers that left are never heard of again)
 _MAX_FAILING_PEERS = 1024
 
-_STATES = frozenset({"waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"})
+#: the states a key rests in between two calls of ``handle()`` (``released`` is passed through)
+_STATES = frozenset(get_args(WState)) - {"released"}
+
+#: the legal changes of a key's state: start -> the states it may go to. Every other
+#: pair (a self-transition too) is a bug: ``_set_state`` raises ``InvalidTransition``.
+_TRANSITIONS: dict[WState, frozenset[WState]] = {
+    # a new record: an input to fetch, a task to compute (inputs missing, or all here),
+    # a value scattered here
+    "released": frozenset({"fetch", "waiting", "ready", "memory"}),
+    # asked of a peer (or to be mapped from shared memory); dropped: computed or
+    # scattered here instead, no longer needed, or no holder left
+    "fetch": frozenset({"flight", "released"}),
+    # arrived; missing there or unreachable (the next holder, or a segment that did not
+    # map: ask its holders); dropped: as for fetch, or it cannot travel
+    "flight": frozenset({"memory", "fetch", "released"}),
+    # inputs all here; freed but needed by a local task and held elsewhere; freed, given
+    # back (an input cannot be had) or erred (an input cannot travel)
+    "waiting": frozenset({"ready", "fetch", "released"}),
+    # given a thread; freed: as for waiting
+    "ready": frozenset({"executing", "fetch", "released"}),
+    # done; freed while its thread runs; failed but needed by a local task and held
+    # elsewhere; failed (reported)
+    "executing": frozenset({"memory", "cancelled", "fetch", "released"}),
+    # computed again while its thread runs; done and needed by a local task (or its
+    # value scattered here meanwhile); failed but needed and held elsewhere; done or
+    # failed, and not needed
+    "cancelled": frozenset({"executing", "memory", "fetch", "released"}),
+    # freed while a thread still computes it (its value was scattered meanwhile); freed
+    "memory": frozenset({"cancelled", "released"}),
+}

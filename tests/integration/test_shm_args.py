@@ -93,7 +93,8 @@ def test_small_arguments_stay_in_the_message(client, cluster):
     placed = _placed()
     y = client.submit(total, np.ones(1000), workers=[b_addr], pure=False)
     assert y.result(timeout=30) == 1000.0
-    assert _placed() == placed
+    # no segment was made for it (an earlier test's may have gone meanwhile)
+    assert _placed() <= placed
 
 
 def test_a_client_in_another_process_hands_its_arguments_over(client, cluster):

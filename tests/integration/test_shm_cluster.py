@@ -81,7 +81,7 @@ def _placements():
 
 
 def _pooled():
-    return len(shm._pool)
+    return len(shm.registry.pooled())
 
 
 def test_arrays_born_in_shared_memory_are_published_without_a_copy(client, cluster):
@@ -205,8 +205,8 @@ def test_full_shared_memory_falls_back_to_tcp(client, cluster):
 
         # no retired segment to reuse (none kept from now on either, as earlier tests'
         # values are released): every placement needs new pages
-        os._shoal_test_pool_limit = worker_shm.pool_limit
-        worker_shm.pool_limit = 0
+        os._shoal_test_pool_limit = worker_shm.registry.pool_limit
+        worker_shm.registry.pool_limit = 0
         worker_shm.drain_pool()
         os._shoal_test_fallocate = os.posix_fallocate
         os.posix_fallocate = full
@@ -215,7 +215,7 @@ def test_full_shared_memory_falls_back_to_tcp(client, cluster):
         from shoal.comm import shm as worker_shm
 
         os.posix_fallocate = os._shoal_test_fallocate
-        worker_shm.pool_limit = os._shoal_test_pool_limit
+        worker_shm.registry.pool_limit = os._shoal_test_pool_limit
 
     client.run(fill_up, workers=[a_addr])
     try:

@@ -92,7 +92,7 @@ def test_a_probe_that_cannot_be_made_is_none_leaves_nothing_and_warns_once(monke
             raise OSError(error, os.strerror(error))
         return (real_open if fails == "open" else real_write)(*args)
 
-    monkeypatch.setattr(shm, "_probe_warned", False)
+    monkeypatch.setattr(shm, "probe_warned", False)
     monkeypatch.setattr(os, fails, failing)
     with caplog.at_level("DEBUG", logger="shoal.comm.shm"):
         assert [shm.probe() for _ in range(3)] == [None] * 3
@@ -152,20 +152,20 @@ def test_retired_segments_are_reused_only_when_nobody_maps_them():
     assert not os.path.exists(os.path.join(shm.SHM_DIR, first_info[0]))
     # still mapped: not reused, a new segment is made
     seg2, v2 = shm.place(a * 2)
-    assert len(shm._pool) == 1
+    assert len(shm.registry.pooled()) == 1
     assert np.array_equal(other, a) and np.array_equal(mine, a)  # the readers' data is intact
     del mine, other
     gc.collect()
     # nobody maps it any more: the next value of a fitting size reuses its memory
     seg3, v3 = shm.place(a * 3)
-    assert not shm._pool
+    assert not shm.registry.pooled()
     assert np.array_equal(v3, a * 3) and np.array_equal(v2, a * 2)
     seg2.unlink()
     seg3.unlink()
     shm.drain_pool()
 
 
-def test_retired_segments_nobody_reuses_are_given_back():
+def test_retired_segments_nobody_reuses_are_given_back(monkeypatch):
     import gc
 
     shm.drain_pool()
@@ -174,18 +174,19 @@ def test_retired_segments_nobody_reuses_are_given_back():
     new_seg, v2 = shm.place(a * 2)
     del v1, v2
     gc.collect()
+    monkeypatch.setattr(shm.registry, "clock", lambda: 1000.0)
     old_seg.retire()
+    monkeypatch.setattr(shm.registry, "clock", lambda: 1100.0)  # 100 s later
     new_seg.retire()
-    assert len(shm._pool) == 2
-    (_, old_name), (_, new_name) = shm._pool
-    shm._retired_at[old_name] -= 100  # as if retired 100 s ago
+    assert len(shm.registry.pooled()) == 2
+    (_, old_name), (_, new_name) = shm.registry.pooled()
     assert shm.trim_pool(30.0) == 1
-    assert [n for _, n in shm._pool] == [new_name]
+    assert [n for _, n in shm.registry.pooled()] == [new_name]
     assert not os.path.exists(os.path.join(shm.SHM_DIR, old_name))
-    assert old_name not in shm._writers and old_name not in shm._retired_at
+    assert not shm.registry.has_writer(old_name) and shm.registry.state(old_name) is None
     assert shm.trim_pool(30.0) == 0  # the recent one stays for reuse
     shm.drain_pool()
-    assert not shm._retired_at
+    assert not shm.registry.pooled()
 
 
 def test_a_forked_child_leaves_the_parents_segments_alone():
@@ -200,14 +201,14 @@ def test_a_forked_child_leaves_the_parents_segments_alone():
     pid = os.fork()
     if pid == 0:  # the child: owns nothing, reuses nothing, removes nothing at exit
         try:
-            ok = not shm.owned() and not shm._pool and shm.place(np.ones(1 << 17)) is not None
+            ok = not shm.owned() and not shm.registry.pooled() and shm.place(np.ones(1 << 17)) is not None
             shm.unlink_all()
             os._exit(0 if ok else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name)) and len(shm._pool) == 1
+    assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name)) and len(shm.registry.pooled()) == 1
     assert not shm.segments_of(pid)
     seg.unlink()
     shm.drain_pool()

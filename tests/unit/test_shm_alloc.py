@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from shoal import _shmalloc
-from shoal.comm import shm, shm_born
+from shoal.comm import shm, shm_born, shm_files
 
 MB = 1 << 20
 
@@ -55,7 +55,7 @@ def pooled_segment(nbytes: int) -> None:
     del value
     gc.collect()
     seg.retire()
-    assert len(shm._pool) == 1
+    assert len(shm.registry.pooled()) == 1
 
 
 def data_address(a: np.ndarray) -> int:
@@ -64,14 +64,14 @@ def data_address(a: np.ndarray) -> int:
 
 def test_a_large_array_is_born_in_a_pooled_segment_and_published_without_a_copy():
     pooled_segment(8 * MB)
-    ((size, pooled),) = shm._pool
+    ((size, pooled),) = shm.registry.pooled()
 
     def task() -> Any:
         a = np.full(MB, 7.0)  # 8 MB: takes the pooled segment
-        assert len(shm_born._born) == 1 and not shm._pool
+        assert len(shm.registry.born_arrays()) == 1 and not shm.registry.pooled()
         seg, local = shm.place(a)
         # the value is the born array's segment, its data where numpy wrote it
-        assert seg.size == size and seg.info[3] == [[shm._DATA_OFFSET, 8 * MB]]
+        assert seg.size == size and seg.info[3] == [[shm_files.DATA_OFFSET, 8 * MB]]
         return seg, local
 
     seg, local = in_task_thread(task)
@@ -84,16 +84,16 @@ def test_a_large_array_is_born_in_a_pooled_segment_and_published_without_a_copy(
         gc.collect()
         seg.retire()
     # the task's own array is gone and nobody maps the value: the segment is reusable
-    assert [s for s, _ in shm._pool] == [size]
+    assert [s for s, _ in shm.registry.pooled()] == [size]
 
 
 def test_small_arrays_and_an_empty_pool_allocate_as_usual():
     def task() -> Any:
         small = np.ones(1000)
         big = np.ones(2 * MB)  # nothing pooled: numpy's own memory
-        assert not shm_born._born
+        assert not shm.registry.born_arrays()
         seg, local = shm.place(big)
-        assert seg.info[3][0][0] == shm._DATA_OFFSET  # copied in
+        assert seg.info[3][0][0] == shm_files.DATA_OFFSET  # copied in
         return small.sum(), seg
 
     total, seg = in_task_thread(task)
@@ -106,16 +106,16 @@ def test_temporaries_go_back_to_the_pool_and_zeroed_memory_is_zero():
 
     def task() -> float:
         a = np.full(MB // 2, 3.0)  # born in the pooled segment (old zeros overwritten)
-        assert len(shm_born._born) == 1
+        assert len(shm.registry.born_arrays()) == 1
         del a
         z = np.zeros(MB // 2)  # the same memory again, now holding 3.0s: zeroed for us
-        assert len(shm_born._born) == 1
+        assert len(shm.registry.born_arrays()) == 1
         return float(np.abs(z).sum())
 
     assert in_task_thread(task) == 0.0
     gc.collect()
     shm.work_off()
-    assert len(shm._pool) == 1 and not shm_born._born
+    assert len(shm.registry.pooled()) == 1 and not shm.registry.born_arrays()
 
 
 def test_realloc_of_a_born_array_keeps_its_contents():
@@ -123,7 +123,7 @@ def test_realloc_of_a_born_array_keeps_its_contents():
 
     def task() -> Any:
         a = np.arange(MB // 8, dtype=np.float64)  # 1 MB, born
-        assert len(shm_born._born) == 1
+        assert len(shm.registry.born_arrays()) == 1
         a.resize(2 * MB // 8, refcheck=False)  # numpy reallocs the data
         return a
 
@@ -146,16 +146,16 @@ def test_a_value_released_while_its_array_lives_is_not_reused_until_the_array_di
     gc.collect()
     seg.retire()  # the key is released: its name goes at once
     assert not os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
-    assert not shm._pool  # but its memory is still the user's array
+    assert not shm.registry.pooled()  # but its memory is still the user's array
     assert kept[0].sum() == 2.0 * MB
     kept.clear()
     gc.collect()
     shm.work_off()
-    assert not shm_born._born and seg.name not in shm._writers
+    assert not shm.registry.born_arrays() and not shm.registry.has_writer(seg.name)
 
 
 def test_threads_without_the_allocator_are_untouched():
     pooled_segment(8 * MB)
     a = np.full(MB, 1.0)  # the test's own thread did not install it
-    assert not shm_born._born and len(shm._pool) == 1
+    assert not shm.registry.born_arrays() and len(shm.registry.pooled()) == 1
     del a

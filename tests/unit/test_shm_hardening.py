@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shoal.comm import shm, shm_family, shm_handover
+from shoal.comm import shm, shm_family, shm_files, shm_handover
 from shoal.examples import device_array
 from shoal.protocol import SAME_HOST, deserialize, to_serialize
 from shoal.protocol.core import loads, prepare
@@ -36,7 +36,7 @@ class Made:
 
     def name(self, kind: str) -> str:
         """A fresh name in shoal's form, as this process would make it."""
-        return shm._new_name(f"test{kind}")
+        return shm_files.new_name(f"test{kind}")
 
     def path(self, name: str) -> str:
         path = os.path.join(shm.SHM_DIR, name)
@@ -95,7 +95,7 @@ def root_only() -> None:
 
 def _segment_bytes(token: str, size: int = 4096) -> bytes:
     """A file that passes every check of the segment format for ``token``."""
-    return shm._header(token).ljust(size, b"\0")
+    return shm_files.segment_header(token).ljust(size, b"\0")
 
 
 def _returns_at_once(fn: Callable[[], Any], fifo: str | None = None) -> Any:
@@ -144,7 +144,7 @@ def _raises_at_once(fn: Callable[[], Any], fifo: str | None = None) -> BaseExcep
 ])
 def test_a_name_not_in_shoal_form_is_refused_before_any_open(name: Any) -> None:
     with pytest.raises(ValueError, match="not a shoal segment name"):
-        shm._path(name)
+        shm_files.segment_path(name)
     with pytest.raises(ValueError, match="not a shoal segment name"):
         shm.map_segment(name, 4096, "0" * 16)
     assert not shm.check_probe(name, "0" * 16)
@@ -153,8 +153,8 @@ def test_a_name_not_in_shoal_form_is_refused_before_any_open(name: Any) -> None:
 
 def test_shoal_own_names_pass() -> None:
     for kind in ("", "pool", "probe", "ret"):
-        name = shm._new_name(kind)
-        assert shm._path(name) == f"{shm.SHM_DIR}/{name}"
+        name = shm_files.new_name(kind)
+        assert shm_files.segment_path(name) == f"{shm.SHM_DIR}/{name}"
 
 
 def test_a_ref_with_a_bad_name_fails_that_message_and_the_next_one_decodes() -> None:
@@ -318,7 +318,7 @@ def _exists(name: str) -> bool:
 @pytest.fixture(params=[False, True], ids=["remover", "adopter"])
 def adopting(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """A receiver that removes transfers (a client) or keeps them (a worker)."""
-    monkeypatch.setattr(shm, "adopt_transfers", request.param)
+    monkeypatch.setattr(shm.registry, "adopt_transfers", request.param)
     return bool(request.param)
 
 
@@ -371,7 +371,7 @@ def test_a_transfer_decoded_outside_a_leased_entry_is_only_mapped() -> None:
 def test_a_transfer_named_after_another_process_than_the_peer_is_left_alone(
     adopting: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(shm_family, "_warned_foreign", [])
+    monkeypatch.setattr(shm_family, "warned_foreign", [])
     value = np.arange(2 * MB // 8, dtype=np.float64)
     prepared, frames, name = _transfer(value)
     another = os.getpid() + 1  # the peer says it is this process; the file says otherwise

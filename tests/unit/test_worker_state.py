@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from test_worker_replay import assert_replays
+
 from shoal.worker.state import (
     ComputeTaskEvent,
     Execute,
@@ -38,7 +40,10 @@ class Wk:
     """Feeds events to a :class:`WorkerState` and validates it after every step."""
 
     def __init__(self, **kwargs: Any) -> None:
+        self.params = kwargs
         self.state = WorkerState(ME, **kwargs)
+        #: every instruction so far (for a replay from the log)
+        self.out: list[Any] = []
         self._ids = itertools.count()
 
     def sid(self) -> str:
@@ -47,6 +52,7 @@ class Wk:
     def __call__(self, *events: Any) -> list[Any]:
         out = self.state.handle(*events)
         self.state.validate()
+        self.out.extend(out)
         return out
 
     def compute_event(self, key: Any, deps: dict[Any, list[str]] | None = None, nbytes: dict[Any, int] | None = None,
@@ -89,7 +95,14 @@ def gathers(out: list[Any]) -> list[tuple[str, list[Any], int]]:
 
 
 def sent(out: list[Any], op: str | None = None) -> list[dict[str, Any]]:
-    return [i.msg for i in out if isinstance(i, SendMsg) and (op is None or i.msg["op"] == op)]
+    """The messages to the scheduler, less their ``stimulus_id`` (which is always the
+    instruction's: see test_messages_carry_the_stimulus_that_caused_them)."""
+    msgs = []
+    for i in out:
+        if isinstance(i, SendMsg) and (op is None or i.msg["op"] == op):
+            assert i.msg["stimulus_id"] == i.stimulus_id, i
+            msgs.append({k: v for k, v in i.msg.items() if k != "stimulus_id"})
+    return msgs
 
 
 def ops(out: list[Any]) -> list[tuple[str, Any]]:
@@ -125,7 +138,28 @@ def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(w: Wk) -> No
     assert [i.stimulus_id for i in out] == ["compute-1"]
     out = w(ExecuteSuccessEvent("done-1", "x", 1, 1))
     assert [i.stimulus_id for i in out] == ["done-1"]
-    assert [e[:3] for e in w.state.log] == [("compute-1", "ComputeTaskEvent", "x"), ("done-1", "ExecuteSuccessEvent", "x")]
+    assert [(type(e).__name__, e.stimulus_id, e.key) for e in w.state.log.events] == [
+        ("ComputeTaskEvent", "compute-1", "x"), ("ExecuteSuccessEvent", "done-1", "x")]
+    assert [tuple(t) for t in w.state.story("x")] == [
+        ("x", "released", "ready", "compute-1"), ("x", "ready", "executing", "compute-1"),
+        ("x", "executing", "memory", "done-1")]
+
+
+def test_messages_carry_the_stimulus_that_caused_them(w: Wk) -> None:
+    out = w(ComputeTaskEvent("compute-1", "t", "p", {"a": ["p1"]}, {"a": 1}, (0,)),
+            ComputeTaskEvent("compute-2", "u", "p", {"b": []}, {}, (0,)))
+    assert [i.msg for i in out if isinstance(i, SendMsg)] == [{"op": "reschedule", "key": "u", "stimulus_id": "compute-2"}]
+    out = w(GatherDepSuccessEvent("gather-1", "p1", {}, ["a"]))
+    assert [i.msg for i in out if isinstance(i, SendMsg)] == [
+        {"op": "missing-data", "key": "a", "errant_worker": "p1", "stimulus_id": "gather-1"},
+        {"op": "reschedule", "key": "t", "stimulus_id": "gather-1"},
+    ]
+    w(ComputeTaskEvent("compute-3", "x", "p", {}, {}, (0,)))
+    (msg,) = [i.msg for i in w(ExecuteFailureEvent("erred-1", "x", "exc", "tb", "Boom"))]
+    assert (msg["op"], msg["stimulus_id"]) == ("task-erred", "erred-1")
+    w(ComputeTaskEvent("compute-4", "y", "p", {}, {}, (0,)))
+    (msg,) = [i.msg for i in w(ExecuteSuccessEvent("done-1", "y", 1, 1))]
+    assert (msg["op"], msg["stimulus_id"]) == ("task-finished", "done-1")
 
 
 def test_a_failure_is_reported_and_forgotten(w: Wk) -> None:
@@ -501,6 +535,47 @@ def test_a_cancelled_task_that_fails_is_fetched_for_its_dependent(w: Wk) -> None
     assert executes(w.gathered("p1", {"a": 1}, ["a"])) == ["b"]
 
 
+def test_an_input_computed_here_then_freed_is_fetched_again(w: Wk) -> None:
+    w.compute("u", {"t": ["p1"]})
+    assert w.states() == {"u": "waiting", "t": "flight"}
+    # the scheduler has t computed here after all (its holder may be going away)
+    w.compute("t", {"d": ["p2"]})
+    assert w.states() == {"u": "waiting", "t": "waiting", "d": "flight"}
+    # and changes its mind: u still needs t, which p1 holds
+    assert w.free("t") == []
+    assert w.states() == {"u": "waiting", "t": "fetch"}
+    assert [(t.start, t.finish) for t in w.state.story("t")] == [
+        ("released", "fetch"), ("fetch", "flight"), ("flight", "released"), ("released", "waiting"),
+        ("waiting", "fetch")]
+    w.gathered("p2", {"d": 1}, ["d"])  # the late reply of the dropped fetch
+    out = w.gathered("p1", {}, ["t"])  # the first request, which no longer asked for t
+    assert gathers(out) == [("p1", ["t"], 1)]
+    assert executes(w.gathered("p1", {"t": 1}, ["t"])) == ["u"]
+
+
+def test_the_transition_table_covers_every_state() -> None:
+    from typing import get_args
+
+    from shoal.worker.state import _TRANSITIONS, WState
+
+    states = set(get_args(WState))
+    assert set(_TRANSITIONS) == states
+    assert all(finishes <= states and start not in finishes for start, finishes in _TRANSITIONS.items())
+
+
+def test_an_illegal_transition_raises_and_changes_nothing(w: Wk) -> None:
+    from shoal.statelog import InvalidTransition
+
+    w.compute("x")
+    ts = w.state.tasks["x"]
+    before = len(w.state.log.transitions)
+    with pytest.raises(InvalidTransition, match="executing -> waiting"):
+        w.state._set_state(ts, "waiting")
+    with pytest.raises(InvalidTransition, match="executing -> executing"):
+        w.state._set_state(ts, "executing")
+    assert ts.state == "executing" and len(w.state.log.transitions) == before
+
+
 # ------------------------------------------------------------------------- scatter
 
 
@@ -692,6 +767,8 @@ class WorkerMachine(RuleBasedStateMachine):
         assert not s.executing and not s.fetching and not s.in_flight_workers
         unreported = [k for k, done in self.wanted.items() if not done]
         assert not unreported, f"never reported to the scheduler: {unreported}"
+        # and the run replays from the log alone (one event per handle(), as here)
+        assert_replays(s, self.h.out, **self.h.params)
 
 
 TestWorkerMachine = WorkerMachine.TestCase

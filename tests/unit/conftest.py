@@ -1,0 +1,17 @@
+"""Unit-test setup: after each test of the shared-memory modules, this process's segment
+registry must hold its invariants (:meth:`shoal.comm.shm_registry.SegmentRegistry.validate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def valid_segment_registry(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "shm" in request.module.__name__.rsplit(".", 1)[-1]:
+        from shoal.comm import shm
+
+        shm.registry.validate()
