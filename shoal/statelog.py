@@ -5,8 +5,9 @@ Both state machines (:class:`~shoal.scheduler.state.SchedulerState` and
 
 - the **events** they handled, in order, as the events themselves (what each carried,
   less the opaque user data: an event type may define ``logged()`` returning a copy
-  without it, see :data:`DROPPED`), so that feeding them to a fresh machine replays
-  the run and gives the same instructions;
+  without it, see :data:`DROPPED`), grouped by the ``handle()`` call that took them
+  (:meth:`StateLog.calls`), so that feeding them to a fresh machine, call by call,
+  replays the run and gives the same instructions;
 - every **transition** of a key, ``(key, start, finish, stimulus_id)``, so that
   :meth:`StateLog.story` tells what happened to a key and which stimulus did it.
 
@@ -77,24 +78,42 @@ class Transition(NamedTuple):
 class StateLog:
     """The last ``events`` events and the last ``transitions`` transitions."""
 
-    __slots__ = ("events", "transitions")
+    __slots__ = ("events", "transitions", "_starts")
 
     def __init__(self, events: int = 10_000, transitions: int = 100_000):
         self.events: deque[Any] = deque(maxlen=events)
-        self.transitions: deque[Transition] = deque(maxlen=transitions)
+        #: ``(key, start, finish, stimulus_id)`` tuples (plain: this is on the hot
+        #: path; :meth:`story` gives :class:`Transition`\ s)
+        self.transitions: deque[tuple[Hashable, str, str, str]] = deque(maxlen=transitions)
+        #: per logged event, whether it began a ``handle()`` call (a machine may decide
+        #: at the end of a call, over all its events: a replay makes the same calls)
+        self._starts: deque[bool] = deque(maxlen=events)
 
-    def event(self, ev: Any) -> None:
-        """Keep ``ev`` (its ``logged()`` copy when it has one)."""
+    def event(self, ev: Any, first: bool = True) -> None:
+        """Keep ``ev`` (its ``logged()`` copy when it has one); ``first``: it is the
+        first event of its ``handle()`` call."""
         logged = getattr(ev, "logged", None)
         self.events.append(ev if logged is None else logged())
+        self._starts.append(first)
+
+    def calls(self) -> list[list[Any]]:
+        """The logged events grouped as they were handled, one list per ``handle()``
+        call (the oldest may have lost its first events to the bound): what a replay
+        feeds a fresh machine, call by call."""
+        groups: list[list[Any]] = []
+        for ev, first in zip(self.events, self._starts):
+            if first or not groups:
+                groups.append([])
+            groups[-1].append(ev)
+        return groups
 
     def transition(self, key: Hashable, start: str, finish: str, stimulus_id: str) -> None:
-        self.transitions.append(Transition(key, start, finish, stimulus_id))
+        self.transitions.append((key, start, finish, stimulus_id))
 
     def story(self, *keys: Hashable) -> list[Transition]:
         """The transitions of ``keys`` still in the log, oldest first."""
         wanted = set(keys)
-        return [t for t in self.transitions if t.key in wanted]
+        return [Transition(*t) for t in self.transitions if t[0] in wanted]
 
     def stimuli(self, *stimulus_ids: str) -> list[Any]:
         """The logged events with these stimulus ids, oldest first."""

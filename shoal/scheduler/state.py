@@ -187,10 +187,10 @@ class SchedulerState(TaskTransitions):
     def handle(self, *events: Event) -> list[Instruction]:
         """Apply events in order; return the instructions they produce."""
         out: list[Instruction] = []
-        for event in events:
+        for i, event in enumerate(events):
             self._stimulus = event.stimulus_id
             self._instructions = out
-            self.log.event(event)
+            self.log.event(event, first=i == 0)
             self._handlers[type(event)](event)
             if self.queued and type(event) is not HeartbeatEvent:
                 # slots may have opened anywhere (finished, cancelled, released tasks)

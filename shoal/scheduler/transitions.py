@@ -62,7 +62,7 @@ class TaskTransitions:
         if (start, finish) not in _EDGES:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
-        self.log.transition(ts.key, start, finish, self._stimulus)
+        self.log.transitions.append((ts.key, start, finish, self._stimulus))
 
     def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
         start = ts.state

@@ -178,9 +178,9 @@ class WorkerState:
         state may then be half-changed, and the worker must not go on with it."""
         out: list[Instruction] = []
         self._out = out
-        for event in events:
+        for i, event in enumerate(events):
             self._stimulus = event.stimulus_id
-            self.log.event(event)
+            self.log.event(event, first=i == 0)
             self._handlers[type(event)](event)
         self._ensure_communicating()
         self._ensure_computing()
@@ -200,7 +200,7 @@ class WorkerState:
         if finish not in _TRANSITIONS[start]:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
-        self.log.transition(ts.key, start, finish, self._stimulus)
+        self.log.transitions.append((ts.key, start, finish, self._stimulus))
 
     # -- events
 

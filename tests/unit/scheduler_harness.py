@@ -50,7 +50,10 @@ class Sched:
     def replay(self) -> tuple[SchedulerState, list[Any]]:
         """A fresh state fed the events this one logged, and what it returned."""
         fresh = SchedulerState(**self.kwargs)
-        return fresh, fresh.handle(*self.state.log.events)
+        out: list[Any] = []
+        for call in self.state.log.calls():
+            out.extend(fresh.handle(*call))
+        return fresh, out
 
     def ts(self, key: Any) -> TaskState:
         return self.state.tasks[key]

@@ -145,14 +145,14 @@ def normal(inst: Instruction) -> tuple[Any, ...]:
 
 
 def assert_replays(state: WorkerState, out: list[Instruction], **params: Any) -> None:
-    """Feeding ``state``'s logged events, one per ``handle()`` call (as they were
-    handled), to a fresh ``WorkerState(address, **params)`` gives the instructions
-    ``out`` (less user data) and leaves the same states."""
+    """Feeding ``state``'s logged events, call by call (as they were handled,
+    ``log.calls()``), to a fresh ``WorkerState(address, **params)`` gives the
+    instructions ``out`` (less user data) and leaves the same states."""
     events = list(state.log.events)
     replay = WorkerState(state.address, **params)
     again: list[Instruction] = []
-    for ev in events:
-        again.extend(replay.handle(ev))
+    for call in state.log.calls():
+        again.extend(replay.handle(*call))
         replay.validate()
     assert [normal(i) for i in again] == [normal(i) for i in out]
     assert {k: ts.state for k, ts in replay.tasks.items()} == {k: ts.state for k, ts in state.tasks.items()}
@@ -219,5 +219,18 @@ def test_story_tells_each_transition_with_its_stimulus() -> None:
         ("released", "fetch", "compute"), ("fetch", "flight", "compute"), ("flight", "released", "gather-failed"),
         ("released", "fetch", "compute"), ("fetch", "flight", "compute"), ("flight", "released", "gather-failed"),
     ]
-    assert [t.key for t in run.state.story("a", "d")] == [t.key for t in run.state.log.transitions
-                                                          if t.key in ("a", "d")]
+    assert [t.key for t in run.state.story("a", "d")] == [t[0] for t in run.state.log.transitions
+                                                          if t[0] in ("a", "d")]
+
+
+def test_events_handled_together_replay_together() -> None:
+    """A worker hands a batch of its scheduler's messages to one ``handle()`` call and
+    starts tasks by priority at its end: the log keeps the calls, and a replay makes
+    the same calls (one event per call would start them in arrival order)."""
+    state = WorkerState("w", nthreads=1, queued=0)
+    batch = [ComputeTaskEvent(f"s{i}", key, f"payload-{key}", {}, {}, (prio,))
+             for i, (key, prio) in enumerate([("low", 9), ("high", 1), ("mid", 5)])]
+    out = state.handle(*batch)
+    assert [i.key for i in out if isinstance(i, Execute)] == ["high"]
+    assert [len(call) for call in state.log.calls()] == [3]
+    assert_replays(state, out, nthreads=1, queued=0)
