@@ -21,7 +21,6 @@ from shoal.scheduler.state import (
     NewTask,
     RemoveClientEvent,
     SchedulerState,
-    TaskFinishedEvent,
     UpdateGraphEvent,
 )
 
@@ -49,27 +48,6 @@ def test_one_task_on_one_worker(s: Sched) -> None:
     assert {ws.address for ws in s.ts("x").who_has} == {"w1"}
     assert s.state.workers["w1"].nbytes == 123
     assert not s.state.workers["w1"].processing
-
-
-def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(s: Sched) -> None:
-    s(AddWorkerEvent("add-w1", "w1", 1))
-    out = s(UpdateGraphEvent("graph-1", "c", [task("x")], ["x"]))
-    assert [i.stimulus_id for i in out] == ["graph-1"]
-    out = s(TaskFinishedEvent("done-x", "w1", "x", 1))
-    assert [i.stimulus_id for i in out] == ["done-x"]
-    assert [(e.stimulus_id, type(e).__name__) for e in s.state.log.events] == [
-        ("add-w1", "AddWorkerEvent"), ("graph-1", "UpdateGraphEvent"), ("done-x", "TaskFinishedEvent")]
-    # and the story of x says which stimulus moved it where
-    assert [(t.start, t.finish, t.stimulus_id) for t in s.state.story("x")] == [
-        ("released", "waiting", "graph-1"), ("waiting", "processing", "graph-1"),
-        ("processing", "memory", "done-x")]
-
-
-def test_log_is_bounded() -> None:
-    h = Sched(log_size=3)
-    for i in range(10):
-        h(AddClientEvent(f"s{i}", f"c{i}"))
-    assert [e.stimulus_id for e in h.state.log.events] == ["s7", "s8", "s9"]
 
 
 def test_chain_runs_in_order_and_frees_intermediates(s: Sched) -> None:
@@ -785,28 +763,3 @@ def test_wanted_key_unknown_to_everyone_is_reported_not_left_hanging():
     assert msgs and msgs[0]["op"] == "task-erred" and msgs[0]["kind"] == "KeyError"
     assert "nowhere" in msgs[0]["text"]
     s.validate()
-
-
-def test_a_recorded_log_replays_into_a_fresh_state() -> None:
-    """The log keeps the events themselves (user data dropped): fed to a fresh state
-    they give the same instructions, transitions and end state."""
-    from scheduler_harness import without_user_data
-
-    from shoal.statelog import DROPPED
-
-    h = Sched()
-    h.add_worker("w1", nthreads=2)
-    h.add_worker("w2")
-    h.submit(task("a"), task("b"), task("c", "a", "b"), task("e", "a"))
-    h.finish(h.on("a"), "a")
-    h.err(h.on("b"), "b")
-    h.submit(task("d"))
-    h.remove_worker("w2")
-    for key in ("d", "e"):
-        h.finish(h.on(key), key, nbytes=10)
-    logged = list(h.state.log.events)
-    assert all(t.payload is DROPPED for ev in logged for t in getattr(ev, "tasks", ()))
-    fresh, replayed = h.replay()
-    assert without_user_data(replayed) == without_user_data(h.instructions)
-    assert list(fresh.log.transitions) == list(h.state.log.transitions)
-    assert {k: ts.state for k, ts in fresh.tasks.items()} == {k: ts.state for k, ts in h.state.tasks.items()}

@@ -1,0 +1,62 @@
+"""The scheduler state's log: the events it handled (user data dropped) and every
+transition with its stimulus, bounded; a key's story; a replay of the log into a fresh
+state gives the same instructions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from scheduler_harness import Sched, task, without_user_data
+
+from shoal.scheduler.state import AddClientEvent, AddWorkerEvent, TaskFinishedEvent, UpdateGraphEvent
+from shoal.statelog import DROPPED
+
+
+@pytest.fixture
+def s() -> Any:
+    h = Sched()
+    yield h
+    h.state.validate()
+
+
+def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(s: Sched) -> None:
+    s(AddWorkerEvent("add-w1", "w1", 1))
+    out = s(UpdateGraphEvent("graph-1", "c", [task("x")], ["x"]))
+    assert [i.stimulus_id for i in out] == ["graph-1"]
+    out = s(TaskFinishedEvent("done-x", "w1", "x", 1))
+    assert [i.stimulus_id for i in out] == ["done-x"]
+    assert [(e.stimulus_id, type(e).__name__) for e in s.state.log.events] == [
+        ("add-w1", "AddWorkerEvent"), ("graph-1", "UpdateGraphEvent"), ("done-x", "TaskFinishedEvent")]
+    # and the story of x says which stimulus moved it where
+    assert [(t.start, t.finish, t.stimulus_id) for t in s.state.story("x")] == [
+        ("released", "waiting", "graph-1"), ("waiting", "processing", "graph-1"),
+        ("processing", "memory", "done-x")]
+
+
+def test_log_is_bounded() -> None:
+    h = Sched(log_size=3)
+    for i in range(10):
+        h(AddClientEvent(f"s{i}", f"c{i}"))
+    assert [e.stimulus_id for e in h.state.log.events] == ["s7", "s8", "s9"]
+
+
+def test_a_recorded_log_replays_into_a_fresh_state() -> None:
+    """The log keeps the events themselves (user data dropped): fed to a fresh state
+    they give the same instructions, transitions and end state."""
+    h = Sched()
+    h.add_worker("w1", nthreads=2)
+    h.add_worker("w2")
+    h.submit(task("a"), task("b"), task("c", "a", "b"), task("e", "a"))
+    h.finish(h.on("a"), "a")
+    h.err(h.on("b"), "b")
+    h.submit(task("d"))
+    h.remove_worker("w2")
+    for key in ("d", "e"):
+        h.finish(h.on(key), key, nbytes=10)
+    logged = list(h.state.log.events)
+    assert all(t.payload is DROPPED for ev in logged for t in getattr(ev, "tasks", ()))
+    fresh, replayed = h.replay()
+    assert without_user_data(replayed) == without_user_data(h.instructions)
+    assert list(fresh.log.transitions) == list(h.state.log.transitions)
+    assert {k: ts.state for k, ts in fresh.tasks.items()} == {k: ts.state for k, ts in h.state.tasks.items()}
