@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from .errors import describe
 
-__all__ = ["StateLog", "Transition", "DROPPED", "InvalidTransition", "internal_error", "internal_errors"]
+__all__ = ["StateLog", "Transition", "DROPPED", "InvalidTransition", "internal_error", "internal_errors", "keys_of"]
 
 logger = logging.getLogger("shoal.statelog")
 
@@ -37,6 +37,22 @@ internal_errors: deque[str] = deque(maxlen=100)
 class InvalidTransition(RuntimeError):
     """A state machine was asked for a change of state its table does not allow; the
     state is left as it was."""
+
+
+def keys_of(*events: Any) -> list[Hashable]:
+    """The keys ``events`` are about, in order, once each (for their stories, or to
+    fail them): the fields both machines' events name them by (``key``, ``keys``,
+    ``wanted``, ``requested``, the keys of ``who_has`` and ``data``, the keys of a
+    graph's ``tasks``)."""
+    keys: list[Hashable] = []
+    for ev in events:
+        key = getattr(ev, "key", None)
+        if key is not None:
+            keys.append(key)
+        for name in ("keys", "wanted", "requested", "who_has", "data"):
+            keys.extend(getattr(ev, name, None) or ())
+        keys.extend(t.key for t in getattr(ev, "tasks", None) or ())
+    return list(dict.fromkeys(keys))
 
 
 def internal_error(machine: str, exc: BaseException, log: StateLog, keys: Iterable[Hashable]) -> str:

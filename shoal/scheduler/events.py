@@ -176,18 +176,6 @@ class FailKeysEvent(Event):
     text: str
 
 
-def keys_of(event: Event) -> list[Key]:
-    """The keys an event is about (for a story, or to fail them)."""
-    keys: list[Key] = []
-    key = getattr(event, "key", None)
-    if key is not None:
-        keys.append(key)
-    for name in ("keys", "wanted"):
-        keys.extend(getattr(event, name, None) or ())
-    keys.extend(t.key for t in getattr(event, "tasks", None) or ())
-    keys.extend(getattr(event, "who_has", None) or ())
-    return list(dict.fromkeys(keys))
-
 
 # ------------------------------------------------------------------------ instructions
 

@@ -25,7 +25,7 @@ from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
 from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
-from ..statelog import internal_error
+from ..statelog import internal_error, keys_of
 from ..protocol import REMOTE, Serialized
 from ..protocol.serialize import forwarded
 from ..protocol.messages import (
@@ -76,7 +76,6 @@ from .state import (
     UpdateDataEvent,
     UpdateGraphEvent,
 )
-from .events import keys_of
 
 __all__ = ["Scheduler"]
 

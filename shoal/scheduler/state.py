@@ -266,9 +266,7 @@ class SchedulerState(TaskTransitions):
             if ts is None or ts.state in ("memory", "erred", "forgotten"):
                 continue
             if ts.state == "processing" and ts.processing_on is not None:
-                ts.processing_on.processing.discard(ts)
-                self._emit(FreeKeys(self._stimulus, ts.processing_on.address, [ts.key]))
-                ts.processing_on = None
+                self._unassign(ts, tell=True)
             elif ts.state == "queued":
                 self._dequeue(ts)
             recs.update(self._err(ts, None, None, ev.text, kind="InternalError"))

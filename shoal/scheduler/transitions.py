@@ -123,10 +123,7 @@ class TaskTransitions:
 
     def _processing_waiting(self, ts: TaskState) -> dict[TaskState, str]:
         """Run it again (a retry, or the worker gave it back); its inputs stay where they are."""
-        ws = ts.processing_on
-        assert ws is not None
-        ws.processing.discard(ts)
-        ts.processing_on = None
+        self._unassign(ts)
         self._set_state(ts, "released")
         return self._released_waiting(ts)
 
@@ -149,9 +146,7 @@ class TaskTransitions:
         return ts.shm is not None and any(ws.address == ts.shm_owner for ws in ts.who_has)
 
     def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
-        assert ts.processing_on is not None
-        ts.processing_on.processing.discard(ts)
-        ts.processing_on = None
+        self._unassign(ts)
         self._set_state(ts, "memory")
         self._add_replica(ts, ws)
         return self._on_memory(ts)
@@ -175,20 +170,14 @@ class TaskTransitions:
         return recs
 
     def _processing_erred(self, ts: TaskState, exception: Any, traceback: Any, text: str) -> dict[TaskState, str]:
-        assert ts.processing_on is not None
-        ts.processing_on.processing.discard(ts)
-        ts.processing_on = None
+        self._unassign(ts)
         return self._err(ts, exception, traceback, text)
 
     def _to_released(self, ts: TaskState) -> dict[TaskState, str]:
         start = ts.state
         recs: dict[TaskState, str] = {}
         if start == "processing":
-            ws = ts.processing_on
-            assert ws is not None
-            ws.processing.discard(ts)
-            ts.processing_on = None
-            self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
+            self._unassign(ts, tell=True)
         elif start == "queued":
             self._dequeue(ts)
         elif start == "memory":
@@ -256,9 +245,7 @@ class TaskTransitions:
                 if dts.state == "queued":
                     self._dequeue(dts)
                 elif dts.state == "processing" and dts.processing_on is not None:
-                    dts.processing_on.processing.discard(dts)
-                    self._emit(FreeKeys(self._stimulus, dts.processing_on.address, [dts.key]))
-                    dts.processing_on = None
+                    self._unassign(dts, tell=True)
                 recs.update(self._err(dts, exception, traceback, text, blame=ts.exception_blame, kind=kind))
         if not ts.who_wants and not ts.dependents:
             recs[ts] = "forgotten"
@@ -268,6 +255,16 @@ class TaskTransitions:
         assert ts.restrictions is not None
         return (f"ValueError: task {ts.key!r} may only run on workers={sorted(ts.restrictions)}, and no such "
                 f"worker is in the cluster; the workers are {sorted(self.workers)}")
+
+    def _unassign(self, ts: TaskState, tell: bool = False) -> None:
+        """``ts`` no longer runs on the worker it was sent to; with ``tell``, that
+        worker is told to drop it (free-keys)."""
+        ws = ts.processing_on
+        assert ws is not None
+        ws.processing.discard(ts)
+        ts.processing_on = None
+        if tell:
+            self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
 
     def _dequeue(self, ts: TaskState) -> None:
         self.queued.remove(ts)

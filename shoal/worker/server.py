@@ -31,10 +31,18 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
-from ..errors import AuthenticationError, CommBrokenError, HandshakeError
+from ..errors import (
+    AuthenticationError,
+    CommBrokenError,
+    CommError,
+    HandshakeError,
+    ProtocolError,
+    SerializationError,
+    describe,
+    short_repr,
+)
 from .. import config
-from ..statelog import internal_error
+from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
@@ -118,6 +126,11 @@ class Worker:
         self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
         #: the state machine failed (a bug): it gets no more events, the worker closes
         self.broken = False
+
+    @property
+    def _scheduler_destination(self) -> str:
+        """Where values reported to the scheduler go (how exceptions are serialized)."""
+        return self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
 
     @property
     def address(self) -> str:
@@ -276,7 +289,7 @@ class Worker:
         tasks it ran as suspicious, so a task that breaks every worker errs at last)."""
         assert self.state is not None
         self.broken = True
-        internal_error("worker", exc, self.state.log, _keys_of(events))
+        internal_error("worker", exc, self.state.log, keys_of(*events))
         if self.status == "running":
             logger.critical("worker %s closes after an internal error", self.address)
             self._spawn(self.close(report=False))
@@ -305,7 +318,7 @@ class Worker:
         payload = ts.payload
         deps = {d.key: self.state.data[d.key] for d in ts.dependencies if d.key in self.state.data}
         loop = self.loop
-        destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+        destination = self._scheduler_destination
         place = self.use_shm
         report = ts.report
 
@@ -384,7 +397,7 @@ class Worker:
                 logger.info("fetching %d keys from %s failed (attempt %d of %d): %s",
                             len(inst.keys), inst.worker, attempt, attempts, describe(exc))
                 text = f"could not fetch {short_repr(inst.keys, 200)} from {inst.worker} ({attempt} attempt(s)): {describe(exc)}"
-                destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+                destination = self._scheduler_destination
                 self._apply(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
                                                   exception=_exception_for(_fetch_error(exc, text), destination)))
                 return
@@ -403,7 +416,7 @@ class Worker:
         if isinstance(response, dict) and response.get("type") == _UNSENDABLE:
             # the peer is fine; its values cannot travel: asking again would not help
             text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
-            destination = self.scheduler_comm.destination if self.scheduler_comm else SAME_PROCESS
+            destination = self._scheduler_destination
             self._apply(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
                                               text, _exception_for(SerializationError(text), destination)))
             return
@@ -581,24 +594,6 @@ def _failure(stimulus_id: str, key: Any, exc: BaseException, destination: str) -
     except BaseException:  # noqa: BLE001 - formatting calls the exception's methods
         tb = ""
     return ExecuteFailureEvent(stimulus_id, key, _exception_for(exc, destination), tb, describe(exc))
-
-
-def _keys_of(events: tuple[Any, ...]) -> list[Any]:
-    """The keys ``events`` are about (their stories tell what led to a failure)."""
-    keys: list[Any] = []
-    for ev in events:
-        if isinstance(ev, ComputeTaskEvent):
-            keys.append(ev.key)
-            keys.extend(ev.who_has)
-        elif isinstance(ev, (ExecuteSuccessEvent, ExecuteFailureEvent)):
-            keys.append(ev.key)
-        elif isinstance(ev, FreeKeysEvent):
-            keys.extend(ev.keys)
-        elif isinstance(ev, (GatherDepSuccessEvent, GatherDepFailureEvent)):
-            keys.extend(ev.requested)
-        elif isinstance(ev, UpdateDataEvent):
-            keys.extend(ev.data)
-    return keys
 
 
 def _exception_for(exc: BaseException, destination: str) -> Any:
