@@ -34,8 +34,17 @@ from .errors import CancelledError, GraphError, InvalidKeyError, KilledWorker, L
 
 if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
+    from .client.progress import progress
+    from .client.coordination import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
+    from .client.default import default_client, get_client
+    from .client.future import fire_and_forget
+    from .client.structure import futures_of
     from .comm.security import Security
     from .deploy import LocalCluster
+    from .worker.context import get_worker, rejoin, secede, worker_client
+    from .worker.plugin import WorkerPlugin
+    from .scheduler.plugin import SchedulerPlugin
+    from .client.actor import Actor, ActorFuture, BaseActorFuture
 
 # the client and cluster layers load on first use: a worker process never needs them
 _LAZY = {
@@ -43,8 +52,29 @@ _LAZY = {
     "Future": "shoal.client",
     "as_completed": "shoal.client",
     "wait": "shoal.client",
+    "progress": "shoal.client.progress",
+    "Variable": "shoal.client.coordination",
+    "Queue": "shoal.client.coordination",
+    "Lock": "shoal.client.coordination",
+    "Event": "shoal.client.coordination",
+    "Semaphore": "shoal.client.coordination",
+    "Pub": "shoal.client.coordination",
+    "Sub": "shoal.client.coordination",
+    "get_client": "shoal.client.default",
+    "default_client": "shoal.client.default",
+    "fire_and_forget": "shoal.client.future",
+    "futures_of": "shoal.client.structure",
     "LocalCluster": "shoal.deploy",
     "Security": "shoal.comm.security",
+    "get_worker": "shoal.worker.context",
+    "secede": "shoal.worker.context",
+    "rejoin": "shoal.worker.context",
+    "worker_client": "shoal.worker.context",
+    "WorkerPlugin": "shoal.worker.plugin",
+    "SchedulerPlugin": "shoal.scheduler.plugin",
+    "Actor": "shoal.client.actor",
+    "ActorFuture": "shoal.client.actor",
+    "BaseActorFuture": "shoal.client.actor",
 }
 
 
@@ -67,6 +97,27 @@ __all__ = [
     "LocalCluster",
     "as_completed",
     "wait",
+    "progress",
+    "Variable",
+    "Queue",
+    "Lock",
+    "Event",
+    "Semaphore",
+    "Pub",
+    "Sub",
+    "get_client",
+    "default_client",
+    "fire_and_forget",
+    "futures_of",
+    "get_worker",
+    "secede",
+    "rejoin",
+    "worker_client",
+    "WorkerPlugin",
+    "SchedulerPlugin",
+    "Actor",
+    "ActorFuture",
+    "BaseActorFuture",
     "CancelledError",
     "GraphError",
     "InvalidKeyError",

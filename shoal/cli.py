@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -19,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     return demo.main(n=args.n, block=args.block, chunks=args.chunks, chunk_size=args.chunk_size,
-                     arg_mb=args.arg_mb)
+                     arg_mb=args.arg_mb, progress=args.progress)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
@@ -124,29 +126,65 @@ def _scheduler(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.nworkers > 1:
+        return _worker_group(args)
     signals = _Signals()
     from .comm import shm
     from .comm.core import parse_address
+    from .errors import ShoalError
+    from .worker.reconnect import keep_joined
     from .worker.server import Worker
 
-    sec = _security_from(args, args.address)
     scheme = parse_address(args.address)[0]
+    # found again for each connection: a scheduler that comes back made a new secret
+    explicit = args.no_auth or args.auth_file or os.environ.get("SHOAL_AUTH") or os.environ.get("SHOAL_AUTH_FILE")
 
-    async def run() -> None:
-        worker = Worker(args.address, nthreads=args.nthreads, name=args.name or "",
-                        listen_address=f"{scheme}://{_hostport(args.host, 0)}", security=sec)
+    def security() -> Any:
+        return _security_from(args, args.address)
+
+    first = _security_from(args, args.address)  # (warns once about --no-auth)
+    # a scheduler that leaves on purpose removes its auth file, even when it leaves in a
+    # hurry without telling its workers; one that crashes leaves it
+    from .comm.security import auth_file_for
+
+    auth_path = None if explicit else auth_file_for(args.address)
+    had_file = [False]
+
+    def shut_down() -> bool:
+        return had_file[0] and auth_path is not None and not os.path.exists(auth_path)
+
+    def make_worker() -> Worker:
+        had_file[0] = auth_path is not None and os.path.exists(auth_path)
+        return Worker(args.address, nthreads=args.nthreads, name=args.name or "",
+                      listen_address=f"{scheme}://{_hostport(args.host, 0)}",
+                      security=first if explicit else security(), resources=args.resources)
+
+    async def serve(worker: Worker) -> bool:
         try:
-            await worker.start()
-            print(f"shoal worker at {worker.address}", flush=True)
-            await signals.wait(worker.finished())  # a signal, or the worker closed itself
+            signalled = await signals.wait(worker.finished())  # a signal, or the worker closed itself
         finally:
             await _closing(worker.close(), "the worker")
+        return signals.rearm() or signalled
+
+    def joined(worker: Worker) -> None:
+        _write_line(1, f"shoal worker at {worker.address}")
+
+    result: list[int] = []
+
+    async def run() -> None:
+        result.append(await keep_joined(make_worker, args.address, args.death_timeout, serve,
+                                        (lambda: first) if explicit else security, _say, joined, shut_down))
 
     code = 0
     try:
         signals.run(run)
+        code = result[0] if result else 0
+    except (ShoalError, OSError) as exc:
+        # the expected ways to fail (no scheduler, a refused secret, a taken port): one line
+        _say(f"{type(exc).__name__}: {exc}")
+        code = 1
     except Exception:
-        traceback.print_exc()  # what the interpreter would print, without its exit (below)
+        traceback.print_exc()  # a bug: what the interpreter would print, without its exit (below)
         code = 1
     # every segment the worker owns goes now: results, scattered and fetched values kept
     # in the segments they came in, its pool, transfers not taken yet by their peers
@@ -157,6 +195,59 @@ def _worker(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _say(line: str) -> None:
+    """A line for the user of ``shoal worker`` (on stderr: stdout has the address)."""
+    _write_line(2, f"shoal worker: {line}")
+
+
+def _write_line(fd: int, line: str) -> None:
+    """``line`` to ``fd`` in one write: the workers of ``--nworkers`` share their
+    parent's stdout and stderr, and a line written in parts could interleave with
+    another's."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(fd, (line + "\n").encode())
+
+
+def _worker_group(args: argparse.Namespace) -> int:
+    """``shoal worker --nworkers N``: N worker processes (named ``NAME-0``, ... with
+    ``--name``), each a ``shoal worker`` of its own in a process group of its own, so
+    that this process alone gets a Ctrl-C and stops them in order. A first SIGINT or
+    SIGTERM is passed on to them as SIGTERM (they close), another one kills them.
+    Returns 0 when every one exited with 0, else 1; a worker that exits is not
+    replaced."""
+    argv = [sys.executable, "-m", "shoal", "worker", args.address, "--nthreads", str(args.nthreads),
+            "--host", args.host, "--death-timeout", repr(args.death_timeout)]
+    if args.resources:
+        from .deploy.processes import format_resources
+
+        argv += ["--resources", format_resources(args.resources)]
+    for flag in ("auth_file", "tls_ca_file", "tls_cert", "tls_key"):
+        if getattr(args, flag):
+            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    if args.no_auth:
+        argv.append("--no-auth")
+    children: list[subprocess.Popen[bytes]] = []
+    signalled = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal signalled
+        signalled += 1
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM if signalled == 1 else signal.SIGKILL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    for i in range(args.nworkers):
+        if signalled:
+            break
+        name = ["--name", f"{args.name}-{i}"] if args.name else []
+        children.append(subprocess.Popen([*argv, *name], stdin=subprocess.DEVNULL, process_group=0))
+    codes = [child.wait() for child in children]  # (a signal's handler runs meanwhile)
+    return 0 if all(c == 0 for c in codes) else 1
 
 
 #: how long a closing scheduler or worker may take to say goodbye to its peers before
@@ -234,17 +325,28 @@ class _Signals:
             if not self.received:
                 raise
 
-    async def wait(self, *also: Awaitable[Any]) -> None:
-        """Wait for a signal, or until one of ``also`` is done."""
+    async def wait(self, *also: Awaitable[Any]) -> bool:
+        """Wait for a signal, or until one of ``also`` is done; returns whether a
+        signal came."""
         self._stop = asyncio.get_running_loop().create_future()
         if self.received:  # before this was waited for
-            return
+            return True
         others = {asyncio.ensure_future(a) for a in also}
         try:
             await asyncio.wait({self._stop, *others}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for other in others:
                 other.cancel()
+        return bool(self.received)
+
+    def rearm(self) -> bool:
+        """Starting again (a worker that lost its scheduler waits for it): a signal
+        from now on gives that up, as during the first start. Returns whether a
+        signal came already."""
+        if self.received:
+            return True
+        self._stop = None
+        return False
 
 
 def _exit_now(why: str, cleanups: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> NoReturn:
@@ -287,32 +389,130 @@ def _security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", default=None, help="this process's private key (PEM)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a demonstration workload on a local cluster")
-    demo.add_argument("--n", type=int, default=2000, help="matrix size")
-    demo.add_argument("--block", type=int, default=500, help="tile size")
-    demo.add_argument("--chunks", type=int, default=16)
-    demo.add_argument("--chunk-size", type=int, default=1_000_000)
-    demo.add_argument("--arg-mb", type=int, default=64, help="size of the array passed as a task argument")
+#: ``shoal scheduler``'s default port: not dask's 8786, so that a dask scheduler and a
+#: shoal scheduler run side by side on one host (shoal's workers listen on a free port)
+DEFAULT_SCHEDULER_PORT = 8686
+#: ``shoal worker --death-timeout``'s default, in seconds
+DEFAULT_DEATH_TIMEOUT = 60.0
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``"GPU=2,MEM=10e9"`` (items separated by commas or spaces) -> ``{"GPU": 2.0,
+    "MEM": 1e10}``. Raises ``ValueError`` saying which item is wrong: not
+    ``NAME=AMOUNT``, an amount that is not a finite number >= 0, a name given twice."""
+    out: dict[str, float] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, amount = item.partition("=")
+        if not sep or not name or not amount:
+            raise ValueError(f"{item!r} is not NAME=AMOUNT (e.g. GPU=2,MEM=10e9)")
+        try:
+            value = float(amount)
+        except ValueError:
+            raise ValueError(f"{name}: {amount!r} is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}: the amount must be a finite number >= 0, got {amount}")
+        if name in out:
+            raise ValueError(f"{name} is given twice")
+        out[name] = value
+    return out
+
+
+def _resources_argument(text: str) -> dict[str, float]:
+    try:
+        return parse_resources(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad --resources {text!r}: {exc}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Says an option's default where there is one worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, "", {}, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``shoal`` command line's parser (every option has a help text; a test checks)."""
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="shoal", description="shoal's command line: a scheduler, workers, checks",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action="version", version=f"shoal {__version__}",
+                   help="print shoal's version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                         help="what to run ('shoal COMMAND --help' says more)")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text,
+                              formatter_class=_HelpFormatter)
+
+    demo = command("demo", "run a demonstration workload on a local cluster (both kinds)")
+    demo.add_argument("--n", type=int, default=2000, help="size of the square matrices multiplied")
+    demo.add_argument("--block", type=int, default=500, help="tile size of those matrices")
+    demo.add_argument("--chunks", type=int, default=16, help="chunks of the array that is summed")
+    demo.add_argument("--chunk-size", type=int, default=1_000_000, help="elements per chunk of that array")
+    demo.add_argument("--arg-mb", type=int, default=64, help="size (MB) of the array passed as a task argument")
+    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="show progress bars while the workloads run (default: when stdout is a terminal)")
     demo.set_defaults(func=_demo)
-    check = sub.add_parser("selfcheck", help="check the transports: round trips and a large array")
-    check.add_argument("--size-mb", type=int, default=64)
+    check = command("selfcheck", "check the transports: round trips and a large array, over inproc and tcp")
+    check.add_argument("--size-mb", type=int, default=64, help="size (MB) of the array sent there and back")
     check.set_defaults(func=_selfcheck)
-    sched = sub.add_parser("scheduler", help="run a scheduler; prints its address")
-    sched.add_argument("--host", default="127.0.0.1")
-    sched.add_argument("--port", type=int, default=8786)
+    sched = command("scheduler", "run a scheduler; prints its address (and its auth file) on stdout")
+    sched.add_argument("--host", default="127.0.0.1",
+                       help="interface to listen on (0.0.0.0: all of them; without TLS, a warning)")
+    sched.add_argument("--port", type=int, default=DEFAULT_SCHEDULER_PORT,
+                       help="port to listen on (0: a free one). Not dask's 8786: both schedulers run side by side")
     _security_arguments(sched)
     sched.set_defaults(func=_scheduler)
-    worker = sub.add_parser("worker", help="run a worker that joins the scheduler at ADDRESS")
-    worker.add_argument("address")
-    worker.add_argument("--nthreads", type=int, default=1)
-    worker.add_argument("--name", default="")
-    worker.add_argument("--host", default="127.0.0.1", help="interface to listen on for peers")
+    worker = command("worker", "run a worker (or --nworkers of them) that joins the scheduler at ADDRESS; "
+                               "prints its address on stdout")
+    worker.add_argument("address", metavar="ADDRESS",
+                        help=f"the scheduler's address, e.g. tcp://127.0.0.1:{DEFAULT_SCHEDULER_PORT}")
+    worker.add_argument("--nthreads", type=_positive, default=1, help="threads running tasks, per worker")
+    worker.add_argument("--nworkers", type=_positive, default=1,
+                        help="worker processes to start (named NAME-0, NAME-1, ... with --name)")
+    worker.add_argument("--name", default="", help="the worker's name (default: its address)")
+    worker.add_argument("--resources", type=_resources_argument, default={}, metavar="NAME=AMOUNT,...",
+                        help="abstract resources each worker offers, e.g. \"GPU=2,MEM=10e9\": a task "
+                             "submitted with resources={'GPU': 1} runs only where that much is free")
+    worker.add_argument("--death-timeout", type=_seconds, default=DEFAULT_DEATH_TIMEOUT, metavar="SECONDS",
+                        help="how long to wait for the scheduler: when started before it, and after losing it "
+                             "(it is joined again when it comes back at ADDRESS); a scheduler that tells its "
+                             "workers to close is obeyed at once. 0: no waiting")
+    worker.add_argument("--host", default="127.0.0.1", help="interface to listen on for peers (a free port)")
     _security_arguments(worker)
     worker.set_defaults(func=_worker)
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default: the process's arguments); returns its exit
+    code (``shoal worker`` leaves the process itself, see :func:`_worker`)."""
+    args = parser().parse_args(argv)
     return int(args.func(args))
 
 

@@ -58,6 +58,8 @@ _DEFAULTS: dict[str, Any] = {
     # a value only that peer holds err with the fetch's error instead of being handed
     # back to the scheduler (which would send them to this worker again)
     "gather-peer-failures": 3,
+    # shoal.progress asks the scheduler how far its tasks are this often, in seconds
+    "progress-interval": 0.1,
     # connection pool limit (open comms) per pool
     "pool-limit": 512,
     # a task whose arguments are larger than this warns once, suggesting scatter (0: never)

@@ -8,6 +8,7 @@ as ``python -m shoal worker``, not by forking or spawning your script.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from typing import Any
@@ -49,8 +50,16 @@ def add(a: Any, b: Any) -> Any:
     return a + b
 
 
-def blocked_matmul(client: Any, n: int, block: int) -> tuple[float, float, Any]:
-    """C = A @ B with n x n matrices in block x block tiles; returns (seconds, checksum, A, B)."""
+def _show_progress(futures: Any) -> None:
+    """Bars per task prefix until ``futures`` are done (``shoal.progress``)."""
+    from . import progress
+
+    progress(futures)
+
+
+def blocked_matmul(client: Any, n: int, block: int, show_progress: bool = False) -> tuple[float, float, Any]:
+    """C = A @ B with n x n matrices in block x block tiles; returns (seconds, checksum,
+    (A, B)); with ``show_progress``, bars show how far its tasks are meanwhile."""
     nb = n // block
     a = {(i, k): client.submit(random_block, 1000 * i + k, block) for i in range(nb) for k in range(nb)}
     b = {(k, j): client.submit(random_block, 5000 + 1000 * k + j, block) for k in range(nb) for j in range(nb)}
@@ -61,16 +70,20 @@ def blocked_matmul(client: Any, n: int, block: int) -> tuple[float, float, Any]:
             products = [client.submit(matmul, a[i, k], b[k, j]) for k in range(nb)]
             c[i, j] = client.submit(add_all, *products)
     total = client.submit(lambda *blocks: float(sum(x.sum() for x in blocks)), *c.values())
+    if show_progress:
+        _show_progress(total)
     checksum = total.result()
     return time.perf_counter() - t0, checksum, (a, b)
 
 
-def map_reduce(client: Any, chunks: int, size: int) -> tuple[float, Any]:
+def map_reduce(client: Any, chunks: int, size: int, show_progress: bool = False) -> tuple[float, Any]:
     t0 = time.perf_counter()
     hists = client.map(histogram, client.map(normal_chunk, range(chunks), [size] * chunks))
     while len(hists) > 1:  # a tree reduction
         pairs = [client.submit(add, hists[i], hists[i + 1]) for i in range(0, len(hists) - 1, 2)]
         hists = pairs + ([hists[-1]] if len(hists) % 2 else [])
+    if show_progress:
+        _show_progress(hists[0])
     counts = hists[0].result()
     return time.perf_counter() - t0, counts
 
@@ -103,8 +116,14 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_000_000, arg_mb: int = 64) -> int:
+def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_000_000, arg_mb: int = 64,
+         progress: bool | None = None) -> int:
+    """Run the demo on both kinds of local cluster; returns the exit status. Progress
+    bars show while the matrix product and the map-reduce run when ``progress`` is
+    True, or when it is None and stdout is a terminal."""
     import numpy as np
+
+    show = sys.stdout.isatty() if progress is None else progress
 
     from . import Client, LocalCluster
 
@@ -114,7 +133,7 @@ def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=processes) as cluster, Client(cluster) as client:
             startup = time.perf_counter() - t0
             print(f"== local cluster with {kind} (started in {startup * 1e3:.0f} ms)")
-            secs, checksum, (a, b) = blocked_matmul(client, n, block)
+            secs, checksum, (a, b) = blocked_matmul(client, n, block, show)
             nb = n // block
             full_a = np.block([[client.gather(a[i, k]) for k in range(nb)] for i in range(nb)])
             full_b = np.block([[client.gather(b[k, j]) for j in range(nb)] for k in range(nb)])
@@ -122,7 +141,7 @@ def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_
             ok = "matches numpy" if abs(checksum - expected) <= 1e-9 * abs(expected) else f"MISMATCH (numpy: {expected})"
             print(f"blocked matmul {n}x{n} in {block}x{block} tiles: sum(A @ B) = {checksum:.6e} "
                   f"({ok}) in {secs:.2f} s")
-            secs, counts = map_reduce(client, chunks, chunk_size)
+            secs, counts = map_reduce(client, chunks, chunk_size, show)
             total = int(counts.sum())
             centers = np.linspace(-4, 4, 41)[:-1] + 0.1
             mean = float((counts * centers).sum() / total)

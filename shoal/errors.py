@@ -17,7 +17,8 @@
     │                              ValueError: wrong type, NaN, out of range, too deep)
     ├── KilledWorker               a task was running on too many workers that died
     ├── LostDataError              a value that cannot be recomputed was lost
-    ├── CancelledError             the future's task was cancelled
+    ├── CancelledError             the future's task was cancelled (also a
+    │                              concurrent.futures.CancelledError)
     └── RemoteError                a remote handler failed and its exception could not
                                    be reconstructed as its own type
 
@@ -30,6 +31,8 @@ their ``__str__``/``__repr__`` do.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 __all__ = [
     "ShoalError",
@@ -122,7 +125,7 @@ class LostDataError(ShoalError):
     """A value placed on workers directly (``scatter``) was lost with its last worker."""
 
 
-class CancelledError(ShoalError):
+class CancelledError(ShoalError, concurrent.futures.CancelledError):
     """The task of this future was cancelled."""
 
 

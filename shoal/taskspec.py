@@ -295,6 +295,31 @@ def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
     return spec.func(*args, **kwargs)
 
 
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None), Ref, complex})
+
+
+def check_serializable(spec: RunSpec) -> None:
+    """Raise :class:`SerializationError` (a ``TypeError``) naming the argument, or the
+    function, of ``spec`` that does not pickle; what will have to travel is checked
+    before it is accepted. Plain values are not pickled for this; buffers are not
+    copied (they go out of band)."""
+    from .protocol.serialize import unserializable
+
+    try:
+        _dumps_function_cached(spec.func)
+        for value in (*spec.args, *spec.kwargs.values()):
+            if type(value) not in _PLAIN:
+                pickle_dumps(value, buffer_callback=_drop)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a user's __reduce__ may raise anything
+        raise unserializable(spec, exc) from exc
+
+
+def _drop(buffer: Any) -> None:
+    pass
+
+
 def raise_serialization_error(text: str) -> None:
     """The function of a task whose own payload could not be sent (a client puts it
     in that payload's place): running it raises the error that sending met, so the

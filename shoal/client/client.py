@@ -30,22 +30,25 @@ from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
 from ..errors import CommError, LostDataError, ProtocolError, SerializationError, short_repr
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
-from ..protocol import SAME_HOST, Serialize, sizeof, to_serialize
+from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, to_serialize
 from ..protocol.core import prepare
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
 from ..taskspec import RunSpec, key_name, raise_serialization_error, tokenize, unique_token, validate_key
+from .cluster_ops import ClusterOps
 from .collections import DaskCollections
-from .future import Future, FutureState, _unwrap
+from .default import set_default, unset_default
+from .plugins import Plugins
+from .worker_plugins import WorkerPluginMethods
+from .submit import Submitting
+from .coordination import PublishedDatasets
+from .future import Future, FutureState, _unwrap, as_actor
 from .structure import collect_futures, rebuild, rebuild_exception, replace_futures, worker_restrictions
 
 __all__ = ["Client"]
 
 logger = logging.getLogger("shoal.client")
 
-_warned_large: set[str] = set()
-
-
-class Client(DaskCollections):
+class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPluginMethods, ClusterOps):
     """Connect to a cluster and run work on it.
 
     ``address`` is a scheduler address or a ``LocalCluster``; with neither, the client
@@ -63,8 +66,12 @@ class Client(DaskCollections):
         asynchronous: bool = False,
         timeout: float = 30.0,
         security: Security | None = None,
+        set_as_default: bool = True,
+        name: str | None = None,
     ):
-        self.id = f"client-{uuid.uuid4().hex[:12]}"
+        self.id = f"{name or 'client'}-{uuid.uuid4().hex[:12]}"
+        #: while open, dask's ``.compute()``/``.persist()`` and ``get_client()`` use it
+        self.set_as_default = set_as_default
         #: the cluster's credentials (None: the cluster's, or found for the address)
         self.security = security
         self._address_arg = address
@@ -95,6 +102,9 @@ class Client(DaskCollections):
         self._scatter_rr = itertools.count()
         self._use_shm = False
         self._hand_over = False
+        #: tasks' arguments will be pickled (a worker or the scheduler is in another
+        #: process): they are checked at submit
+        self._pickles_tasks = True
         if not asynchronous:
             # A client of a cluster running in this process shares the cluster's loop:
             # client and scheduler then talk on one thread (no wake-ups between them).
@@ -150,6 +160,7 @@ class Client(DaskCollections):
         # a scheduler in another process of this host keeps the tasks' payloads: their
         # large arguments are handed over to it in shared memory (it forwards them)
         self._hand_over = comm.destination == SAME_HOST
+        self._pickles_tasks = comm.destination != SAME_PROCESS or bool(getattr(self.cluster, "processes", True))
         self._stream = BatchedSend(name=f"{self.id}-to-scheduler", on_unsendable=self._unsendable)
         self._stream.start(comm)
         self._pool = ConnectionPool(deserialize=True, timeout=self.timeout, security=self.security)
@@ -157,6 +168,8 @@ class Client(DaskCollections):
         if config.get("heartbeat-interval") > 0:
             self._heartbeats = asyncio.ensure_future(send_heartbeats(self._stream, config.get("heartbeat-interval")))
         self.status = "running"
+        if self.set_as_default:
+            set_default(self)
         return self
 
     def __await__(self) -> Any:
@@ -199,6 +212,7 @@ class Client(DaskCollections):
         try:
             if thread.loop.is_closed():
                 closing.close()
+                unset_default(self)
                 self._mark_closed()
                 self.status = "closed"
             else:
@@ -211,6 +225,7 @@ class Client(DaskCollections):
         if self.status in ("closing", "closed"):
             return
         self.status = "closing"
+        unset_default(self)
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         self._flush_outbox()
@@ -309,6 +324,16 @@ class Client(DaskCollections):
                 st = self._states[key] = FutureState(key)
             return st
 
+    def _future_for_key(self, key: Any) -> Future:
+        """A future of ``key`` on this client: one it already holds, or one the
+        scheduler is told this client wants (a future that came in a pickle)."""
+        with self._lock:
+            known = self._refcount.get(key, 0) > 0
+        future = Future(key, self)
+        if not known:
+            self._enqueue({"op": "update-graph", "tasks": [], "wanted": [key]})
+        return future
+
     def _inc_ref(self, key: Any) -> None:
         with self._lock:
             self._refcount[key] += 1
@@ -406,83 +431,6 @@ class Client(DaskCollections):
 
     # -- submitting
 
-    def submit(self, fn: Callable[..., Any], *args: Any, key: Any = None, workers: Any = None,
-               pure: bool = True, retries: int = 0, **kwargs: Any) -> Future:
-        """Run ``fn(*args, **kwargs)`` on the cluster; returns a :class:`Future`.
-
-        Futures among the arguments (also inside lists, tuples and dicts) are
-        dependencies: the task receives their values. ``workers=[address]`` restricts
-        where it may run. Raises ``TypeError`` for a non-callable ``fn`` or a bad key.
-        """
-        if not callable(fn):
-            raise TypeError(f"submit() needs a callable, got {type(fn).__name__}")
-        if key is None:
-            key = f"{key_name(fn)}-{tokenize(fn, args, kwargs) if pure else unique_token()}"
-        validate_key(key)
-        restrictions = worker_restrictions(workers)
-        task = self._make_task(key, fn, args, kwargs, restrictions, retries)
-        future = Future(key, self)
-        self._submit_tasks([task], [key])
-        return future
-
-    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], key: Any = None, workers: Any = None,
-            pure: bool = True, retries: int = 0, **kwargs: Any) -> list[Future]:
-        """``submit(fn, *items)`` for each tuple of items from ``iterables``; one
-        message to the scheduler for all of them. ``key`` may be a list of keys."""
-        if not callable(fn):
-            raise TypeError(f"map() needs a callable, got {type(fn).__name__}")
-        if not iterables:
-            raise TypeError("map() needs at least one iterable")
-        arg_tuples = list(zip(*iterables))
-        if isinstance(key, (list, tuple)):
-            keys = list(key)
-            if len(keys) != len(arg_tuples):
-                raise ValueError(f"map() got {len(keys)} keys for {len(arg_tuples)} tasks")
-        else:
-            prefix = key if isinstance(key, str) else key_name(fn)
-            if pure:
-                base = tokenize(fn, kwargs)
-                keys = [f"{prefix}-{tokenize(base, args)}" for args in arg_tuples]
-            else:
-                keys = [f"{prefix}-{unique_token()}" for _ in arg_tuples]
-        restrictions = worker_restrictions(workers)
-        tasks = []
-        futures = []
-        for k, args in zip(keys, arg_tuples):
-            validate_key(k)
-            tasks.append(self._make_task(k, fn, args, kwargs, restrictions, retries))
-            futures.append(Future(k, self))
-        self._submit_tasks(tasks, keys)
-        return futures
-
-    def _make_task(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   restrictions: list[str] | None, retries: int) -> dict[str, Any]:
-        deps: set[Any] = set()
-        args2 = replace_futures(args, deps, self)
-        kwargs2 = replace_futures(kwargs, deps, self)
-        self._check_payload_size(fn, args, kwargs)
-        return {
-            "key": key,
-            "payload": to_serialize(RunSpec(fn, args2, kwargs2)),
-            "deps": list(deps),
-            "workers": restrictions,
-            "retries": int(retries),
-        }
-
-    def _check_payload_size(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        limit = config.get("large-payload-bytes")
-        if not limit or self.id in _warned_large:
-            return
-        size = sum(sizeof(a) for a in args) + sum(sizeof(v) for v in kwargs.values())
-        if size > limit:
-            _warned_large.add(self.id)
-            warnings.warn(
-                f"a task of {key_name(fn)} carries about {size / 1e6:.1f} MB of arguments; "
-                "consider client.scatter(data) and passing the future instead",
-                UserWarning,
-                stacklevel=4,
-            )
-
     def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
         if self.status == "disconnected":
             raise RuntimeError(f"the client lost its connection to the scheduler at {self.scheduler_address}")
@@ -545,8 +493,9 @@ class Client(DaskCollections):
 
     def gather(self, futures: Any, errors: str = "raise") -> Any:
         """The values of ``futures`` (a future, or lists/tuples/dicts of them), in the
-        same structure. Raises the first erred task's exception (``errors="raise"``)
-        or leaves the exception in its place (``errors="skip"`` drops it)."""
+        same structure. Raises the first erred task's exception (``errors="raise"``);
+        ``errors="skip"`` leaves erred results out of lists (None in their place
+        elsewhere), as dask does."""
         return self._sync(self._gather_structure, futures, errors)
 
     async def _gather_structure(self, futures: Any, errors: str = "raise") -> Any:
@@ -554,7 +503,8 @@ class Client(DaskCollections):
         collect_futures(futures, flat)
         values = await self._gather_async(flat, errors=errors)
         by_key = {f.key: v for f, v in zip(flat, values)}
-        return rebuild(futures, by_key)
+        skipped = frozenset(f.key for f in flat if f.status in ("error", "cancelled")) if errors == "skip" else frozenset()
+        return rebuild(futures, by_key, skipped)
 
     async def _gather_async(self, futures: list[Future], timeout: float | None = None, errors: str = "raise") -> list[Any]:
         states = [f._state for f in futures]
@@ -624,7 +574,7 @@ class Client(DaskCollections):
         out = []
         for st in states:
             if st.key in values:
-                out.append(values[st.key])
+                out.append(as_actor(values[st.key], self))
             elif errors == "skip":
                 out.append(None)
             else:
@@ -642,21 +592,27 @@ class Client(DaskCollections):
 
     # -- data placement
 
-    def scatter(self, data: Any, workers: Any = None, broadcast: bool = False) -> Any:
+    def scatter(self, data: Any, workers: Any = None, broadcast: bool = False, direct: bool | None = None,
+                hash: bool = True) -> Any:
         """Put ``data`` on workers: one object gives one future, a list a list, a dict
         a dict of futures keyed alike. ``workers`` limits where; ``broadcast`` puts
-        every value on every (allowed) worker."""
-        return self._sync(self._scatter, data, workers, broadcast)
+        every value on every (allowed) worker. Keys are tokens of the values, or random
+        with ``hash=False``. ``direct`` is accepted for dask's sake: this client always
+        sends values to the workers directly (the scheduler never holds them)."""
+        return self._sync(self._scatter, data, workers, broadcast, hash)
 
-    async def _scatter(self, data: Any, workers: Any = None, broadcast: bool = False) -> Any:
+    async def _scatter(self, data: Any, workers: Any = None, broadcast: bool = False, hash: bool = True) -> Any:
+        def key_of(v: Any) -> str:
+            return f"{type(v).__name__}-{tokenize(v) if hash else unique_token()}"
+
         if isinstance(data, dict):
             items = list(data.items())
             for k, _ in items:
                 validate_key(k)
         elif isinstance(data, (list, tuple, set, frozenset)):
-            items = [(f"{type(v).__name__}-{tokenize(v)}", v) for v in data]
+            items = [(key_of(v), v) for v in data]
         else:
-            items = [(f"{type(data).__name__}-{tokenize(data)}", data)]
+            items = [(key_of(data), data)]
         info = await self._scheduler_rpc().scheduler_info()
         targets = sorted(info["workers"])
         allowed = worker_restrictions(workers)
@@ -769,13 +725,6 @@ class Client(DaskCollections):
 
     async def _who_has(self, keys: list[Any] | None) -> dict[Any, list[str]]:
         return await self._scheduler_rpc().who_has(keys=keys)
-
-    def scheduler_info(self) -> Any:
-        """``{"address": ..., "workers": {address: {"nthreads", "host", "pid", ...}}}``."""
-        return self._sync(self._scheduler_info)
-
-    async def _scheduler_info(self) -> dict[str, Any]:
-        return await self._scheduler_rpc().scheduler_info()
 
     def scheduler_counters(self) -> Any:
         """Scheduler-side counters (e.g. ``payload_deserializations``, always 0)."""

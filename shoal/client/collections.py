@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import graphs
 from .future import Future
+from .options import TaskOptions, apply_annotations, context_annotations
 
 if TYPE_CHECKING:
     from .client import Client
@@ -36,13 +37,21 @@ class DaskCollections:
                             errors: str = "raise") -> list[Any]:
         raise NotImplementedError
 
-    def compute(self, collections: Any, optimize_graph: bool = True) -> Any:
+    def compute(self, collections: Any, sync: bool = False, optimize_graph: bool = True, workers: Any = None,
+                allow_other_workers: bool = False, resources: dict[str, float] | None = None, retries: int = 0,
+                priority: int = 0, fifo_timeout: Any = "60s", actors: Any = None, traverse: bool = True,
+                **kwargs: Any) -> Any:
         """Start computing dask collections (one, or a list/tuple of them) on the
         cluster; returns a future per collection, whose result is what
-        ``collection.compute()`` would return. Non-collections come back as they are."""
+        ``collection.compute()`` would return (with ``sync=True``: the results
+        themselves). Non-collections come back as they are. ``workers``,
+        ``resources``, ``retries``, ``priority`` and ``allow_other_workers`` apply to
+        every task, under the graph's own ``dask.annotate`` annotations."""
         import dask
         from dask._expr import FinalizeCompute
         from dask.base import collections_to_expr
+
+        options = _call_options(workers, resources, priority, retries, allow_other_workers)
 
         single = not isinstance(collections, (list, tuple))
         colls = [collections] if single else list(collections)
@@ -58,19 +67,29 @@ class DaskCollections:
             if len(keys) != 1:
                 raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
             graph_tasks, _ = graphs.graph_to_tasks(expr, keys)
+            apply_annotations(graph_tasks, _annotations(expr), options)
             tasks.extend(graph_tasks)
             wanted.append(keys[0])
             out.append(Future(keys[0], self._client))
         if tasks:
             self._submit_tasks(tasks, wanted)
+        if sync:
+            futures = [f for f in out if isinstance(f, Future)]
+            values = iter(self._sync(self._gather_async, futures))
+            out = [next(values) if isinstance(f, Future) else f for f in out]
         return out[0] if single else type(collections)(out)
 
-    def persist(self, collections: Any, optimize_graph: bool = True, **kwargs: Any) -> Any:
+    def persist(self, collections: Any, optimize_graph: bool = True, workers: Any = None,
+                allow_other_workers: bool = False, resources: dict[str, float] | None = None, retries: int = 0,
+                priority: int = 0, fifo_timeout: Any = "60s", actors: Any = None, **kwargs: Any) -> Any:
         """Start computing dask collections and return the same collections backed by
         the cluster's results (their graphs hold futures): later computations on them
-        start from those results. ``dask.persist(x, scheduler=client.get)`` calls this."""
+        start from those results. ``dask.persist(x)`` with this client as the default
+        calls this. The options are those of :meth:`compute`."""
         import dask
         from dask.base import collections_to_expr
+
+        options = _call_options(workers, resources, priority, retries, allow_other_workers)
 
         single = not isinstance(collections, (list, tuple))
         colls = [collections] if single else list(collections)
@@ -84,6 +103,7 @@ class DaskCollections:
             per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
         all_keys = [k for ks in per_coll for k in ks]
         tasks, _ = graphs.graph_to_tasks(expr, all_keys)
+        apply_annotations(tasks, _annotations(expr), options)
         futures = {k: Future(k, self._client) for k in all_keys}
         self._submit_tasks(tasks, all_keys)
         rebuilt = iter(
@@ -93,15 +113,19 @@ class DaskCollections:
         out = [next(rebuilt) if dask.is_dask_collection(c) else c for c in colls]
         return out[0] if single else type(collections)(out)
 
-    def get(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+    def get(self, dsk: Any, keys: Any, workers: Any = None, allow_other_workers: bool = False,
+            resources: dict[str, float] | None = None, retries: int = 0, priority: int = 0, sync: bool = True,
+            **kwargs: Any) -> Any:
         """Run a dask-style graph and return the values of ``keys`` (a key or nested
         lists of keys), so ``dask.compute(x, scheduler=client.get)`` works. Raises
         ``KeyError`` for a requested key not in the graph and :class:`GraphError` for a
         cycle."""
-        return self._sync(self._get, dsk, keys)
+        options = _call_options(workers, resources, priority, retries, allow_other_workers)
+        return self._sync(self._get, dsk, keys, options)
 
-    async def _get(self, dsk: Any, keys: Any) -> Any:
+    async def _get(self, dsk: Any, keys: Any, options: TaskOptions | None = None) -> Any:
         tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
+        apply_annotations(tasks, _annotations(dsk), options or TaskOptions())
         futures = [Future(k, self._client) for k in flat_keys]
         self._submit_tasks(tasks, flat_keys)
         try:
@@ -111,3 +135,22 @@ class DaskCollections:
                 f.release()
         by_key = dict(zip(flat_keys, values))
         return graphs.pack(keys, by_key)
+
+
+def _call_options(workers: Any, resources: Any, priority: Any, retries: Any, allow_other_workers: Any) -> TaskOptions:
+    """A call's options over those of the enclosing ``with dask.annotate(...)``
+    (callable annotations there are resolved per key with the graph's own)."""
+    explicit = TaskOptions(workers, resources, priority, retries, allow_other_workers)
+    context = {k: v for k, v in context_annotations().items() if not callable(v)}
+    return TaskOptions.of(context).merged(explicit) if context else explicit
+
+
+def _annotations(graph: Any) -> dict[str, dict[Any, Any]]:
+    """The per-key annotations of a dask expression or graph (none for a plain dict)."""
+    get = getattr(graph, "__dask_annotations__", None)
+    if get is None:
+        return {}
+    try:
+        return dict(get() or {})
+    except Exception:  # annotations are hints: a graph that cannot give them still runs
+        return {}

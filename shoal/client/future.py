@@ -7,10 +7,22 @@ import queue
 import threading
 from collections import namedtuple
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CancelledError
 from ..protocol import Serialize, Serialized, deserialize
+from .tracebacks import traceback_from_text
+from ..worker.actor import ActorRef
+
+
+def as_actor(value: Any, client: Client) -> Any:
+    """A result as the caller sees it: an actor's value is a handle on the actor."""
+    if type(value) is ActorRef:
+        from .actor import Actor
+
+        return Actor.of(value, client)
+    return value
 
 
 def _unwrap(value: Any) -> Any:
@@ -23,7 +35,7 @@ def _unwrap(value: Any) -> Any:
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["Future", "FutureState", "wait", "as_completed", "DoneAndNotDone"]
+__all__ = ["Future", "FutureState", "wait", "as_completed", "DoneAndNotDone", "fire_and_forget"]
 
 DoneAndNotDone = namedtuple("DoneAndNotDone", ["done", "not_done"])
 
@@ -39,7 +51,7 @@ class FutureState:
     Changed only on the client's event loop.
     """
 
-    __slots__ = ("key", "status", "exception", "traceback", "workers", "shm", "value", "has_value",
+    __slots__ = ("key", "status", "exception", "traceback", "tb", "workers", "shm", "value", "has_value",
                  "_event", "_callbacks", "_waiter")
 
     def __init__(self, key: Any):
@@ -47,6 +59,9 @@ class FutureState:
         self.status = "pending"
         self.exception: BaseException | None = None
         self.traceback: str | None = None
+        #: the exception's own traceback object, as it came (an exception raised in
+        #: this process has one; it is kept before raising it again extends it)
+        self.tb: TracebackType | None = None
         self.workers: list[str] = []
         #: where the value lies in shared memory, if its worker placed it there
         self.shm: Any = None
@@ -94,13 +109,14 @@ class FutureState:
         self.workers = list(workers)
         self.shm = shm
         self.value, self.has_value = value, has_value
-        self.exception = self.traceback = None
+        self.exception = self.traceback = self.tb = None
         self._done()
 
     def set_error(self, exception: BaseException, traceback: str | None) -> None:
         self.status = "error"
         self.exception = exception
         self.traceback = traceback
+        self.tb = exception.__traceback__
         self._done()
 
     def cancel(self, reason: str = "") -> None:
@@ -169,7 +185,7 @@ class Future:
                 raise st.exception
             if st.status == "finished" and st.has_value:
                 try:
-                    return _unwrap(st.value)
+                    return as_actor(_unwrap(st.value), self.client)
                 except Exception:
                     pass  # fetch it from its worker below
         return self.client._sync(self._result, timeout)
@@ -186,13 +202,19 @@ class Future:
         await self.client._wait_states([self._state], timeout)
         return self._state.exception if self._state.status in ("error", "cancelled") else None
 
-    def traceback(self, timeout: float | None = None) -> str | None:
-        """The formatted traceback from the worker for an erred task, else ``None``."""
+    def traceback(self, timeout: float | None = None) -> Any:
+        """The traceback (a ``types.TracebackType``, as dask's) of an erred task, else
+        ``None`` (waits for the task). ``traceback.format_tb(future.traceback())`` gives
+        its text; from a worker in another process its frames stand for the remote ones
+        (file, line, function) and hold no variables. Raises ``TimeoutError``."""
         return self.client._sync(self._traceback, timeout)
 
-    async def _traceback(self, timeout: float | None = None) -> str | None:
+    async def _traceback(self, timeout: float | None = None) -> TracebackType | None:
         await self.client._wait_states([self._state], timeout)
-        return self._state.traceback
+        st = self._state
+        if st.status != "error":
+            return None
+        return st.tb if st.tb is not None else traceback_from_text(st.traceback)
 
     def cancel(self) -> Any:
         """Cancel the task (and what depends on it for this client)."""
@@ -229,10 +251,51 @@ class Future:
         return ("shoal.Future", self.key)
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "a shoal Future cannot be pickled; pass it to submit()/map() as an argument "
-            "and the task receives its value"
-        )
+        # unpickled in a task or another process, it is a future of that process's
+        # client (the worker's in a task, else the default one), bound on first use
+        return (_future_of_key, (self.key,))
+
+
+def _future_of_key(key: Any) -> Future:
+    client = _current_client()
+    if client is None:
+        return _UnboundFuture(key)
+    return client._future_for_key(key)
+
+
+def _current_client() -> Client | None:
+    from .default import get_client
+
+    try:
+        return get_client()
+    except ValueError:
+        return None
+
+
+class _UnboundFuture(Future):
+    """A future unpickled where no client was at hand yet (say, while a worker reads a
+    task's arguments): it binds to the client of the place it is first used in."""
+
+    def __init__(self, key: Any):  # noqa: D107 - no client yet, nothing to count
+        self.key = key
+        self._released = True  # it holds no claim until bound
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("client", "_state"):
+            client = _current_client()
+            if client is None:
+                raise ValueError(f"future {self.key!r} is used where there is no client: "
+                                 "start one (shoal.Client(...)) or use it inside a task")
+            bound = client._future_for_key(self.key)
+            self.client, self._state, self._released = bound.client, bound._state, False
+            client._inc_ref(self.key)
+            return getattr(self, name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        if "client" not in self.__dict__:
+            return f"<Future {self.key!r} unbound>"
+        return super().__repr__()
 
 
 def _client_of(futures: list[Future]) -> Client:
@@ -274,8 +337,9 @@ async def _wait_async(futures: list[Future], timeout: float | None, return_when:
 
 class as_completed:
     """Iterate over futures in the order they complete (``with_results=True`` yields
-    ``(future, result)`` pairs). ``add(future)`` adds more while iterating. Also an
-    async iterator."""
+    ``(future, result)`` pairs). ``add(future)`` and ``update(futures)`` add more while
+    iterating; ``next_batch()`` and ``batches()`` give every future done so far at
+    once; ``count()`` says how many are yet to be given. Also an async iterator."""
 
     def __init__(self, futures: Iterable[Future] = (), with_results: bool = False):
         self.with_results = with_results
@@ -287,9 +351,58 @@ class as_completed:
             self.add(f)
 
     def add(self, future: Future) -> None:
+        """Add ``future``: it is given once it is done. Raises ``TypeError`` for
+        what is not a future."""
+        if not isinstance(future, Future):
+            raise TypeError(f"as_completed takes futures, got {type(future).__name__}")
         with self._lock:
             self._pending += 1
         future._state.on_done(lambda: self._arrived(future))
+
+    def update(self, futures: Iterable[Future]) -> None:
+        """Add each of ``futures`` (as :meth:`add`)."""
+        for f in futures:
+            self.add(f)
+
+    def count(self) -> int:
+        """How many futures are yet to be given: still running, or done and not yet
+        given."""
+        with self._lock:
+            return self._pending
+
+    def is_empty(self) -> bool:
+        """Whether every future was given (none runs, none waits to be given)."""
+        return not self.count()
+
+    def has_ready(self) -> bool:
+        """Whether a done future waits to be given."""
+        return not self._queue.empty()
+
+    def next_batch(self, block: bool = True) -> list[Any]:
+        """Every future done so far and not yet given (with their results when
+        ``with_results``); with ``block``, waits for at least one first (raises
+        ``StopIteration`` when none is left), else may return ``[]``."""
+        batch = [next(self)] if block else []
+        while True:
+            with self._lock:
+                if self._pending == 0:
+                    break
+                try:
+                    future = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._pending -= 1
+            batch.append((future, future.result()) if self.with_results else future)
+        return batch
+
+    def batches(self) -> Iterator[list[Any]]:
+        """Lists of the futures done so far, as soon as there are any, until every
+        future was given (``for batch in ac.batches(): client.gather(batch)``)."""
+        while True:
+            try:
+                yield self.next_batch(block=True)
+            except StopIteration:
+                return
 
     def _arrived(self, future: Future) -> None:
         self._queue.put(future)
@@ -329,3 +442,18 @@ class as_completed:
         if self.with_results:
             return future, await future._result()
         return future
+
+
+def fire_and_forget(futures: Any) -> None:
+    """Let the tasks of ``futures`` (a future, or containers of them) run to the end
+    even once no client holds them (their results are then dropped): for tasks run for
+    their side effects."""
+    from .structure import collect_futures
+
+    flat: list[Future] = []
+    collect_futures(futures, flat)
+    by_client: dict[int, tuple[Client, list[Any]]] = {}
+    for f in flat:
+        by_client.setdefault(id(f.client), (f.client, []))[1].append(f.key)
+    for client, keys in by_client.values():
+        client._enqueue({"op": "fire-and-forget", "keys": keys})

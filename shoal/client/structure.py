@@ -10,7 +10,7 @@ from ..errors import GraphError, KilledWorker, LostDataError, RemoteError, Seria
 from ..taskspec import Ref
 from .future import Future, _unwrap
 
-__all__ = ["collect_futures", "rebuild", "rebuild_exception", "replace_futures", "worker_restrictions"]
+__all__ = ["collect_futures", "futures_of", "rebuild", "rebuild_exception", "replace_futures", "worker_restrictions"]
 
 
 
@@ -56,18 +56,19 @@ def collect_futures(obj: Any, out: list[Future]) -> None:
             collect_futures(v, out)
 
 
-def rebuild(obj: Any, values: dict[Any, Any]) -> Any:
-    """``obj`` with its futures replaced by their values (same structure)."""
+def rebuild(obj: Any, values: dict[Any, Any], drop: frozenset[Any] = frozenset()) -> Any:
+    """``obj`` with its futures replaced by their values (same structure); futures of
+    the keys in ``drop`` are left out of lists (``gather(errors="skip")``, as dask)."""
     if isinstance(obj, Future):
         return values[obj.key]
     if isinstance(obj, list):
-        return [rebuild(v, values) for v in obj]
+        return [rebuild(v, values, drop) for v in obj if not (drop and isinstance(v, Future) and v.key in drop)]
     if isinstance(obj, tuple):
-        return tuple(rebuild(v, values) for v in obj)
+        return tuple(rebuild(v, values, drop) for v in obj)
     if isinstance(obj, (set, frozenset)):
-        return type(obj)(rebuild(v, values) for v in obj)
+        return type(obj)(rebuild(v, values, drop) for v in obj)
     if isinstance(obj, dict):
-        return {k: rebuild(v, values) for k, v in obj.items()}
+        return {k: rebuild(v, values, drop) for k, v in obj.items()}
     return obj
 
 
@@ -105,3 +106,29 @@ def rebuild_exception(msg: dict[str, Any]) -> BaseException:
     return exc
 
 
+
+
+def futures_of(obj: Any) -> list[Future]:
+    """The futures in ``obj``: a future, containers of them, or a dask collection
+    whose graph holds them (a persisted one), each once, in the order found."""
+    found: list[Future] = []
+    collect_futures(obj, found)
+    graph = getattr(obj, "__dask_graph__", None)
+    if graph is not None and not isinstance(obj, type):
+        try:
+            values: list[Any] = list(dict(graph() or {}).values())
+        except Exception:  # not a dask collection after all
+            values = []
+        for v in values:
+            collect_futures(v, found)
+    elif isinstance(obj, (list, tuple, set)):
+        for item in obj:
+            if hasattr(item, "__dask_graph__"):
+                found.extend(futures_of(item))
+    seen: set[int] = set()
+    out = []
+    for f in found:
+        if id(f) not in seen:
+            seen.add(id(f))
+            out.append(f)
+    return out

@@ -194,6 +194,9 @@ class RegisterWorkerMsg(Msg, tag="register-worker"):
     pid: int = 0
     name: str = ""
     reply: bool = True
+    #: abstract resources it offers (``{"GPU": 2}``): tasks that ask for them run only here
+    resources: dict[str, float] = {}
+    optional: ClassVar[tuple[str, ...]] = ("resources",)
 
 
 class TaskFinishedMsg(Msg, tag="task-finished"):
@@ -233,6 +236,15 @@ class RescheduleMsg(Msg, tag="reschedule"):
     optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
+class LongRunningMsg(Msg, tag="long-running"):
+    """A task seceded (``shoal.secede()``): it waits for other tasks and holds no thread."""
+
+    key: Any
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    key_fields: ClassVar[tuple[str, ...]] = ("key",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
+
+
 class HeartbeatMsg(Msg, tag="heartbeat"):
     pass
 
@@ -250,9 +262,11 @@ class ComputeTaskMsg(Msg, tag="compute-task"):
     shm: dict[Any, Any] | None = None
     report: bool = False
     stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    #: abstract resources the task holds while it runs (nil: none)
+    resources: dict[str, float] | None = None
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
-    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id", "resources")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 
@@ -265,6 +279,49 @@ class FreeKeysMsg(Msg, tag="free-keys"):
 
 class CloseMsg(Msg, tag="close"):
     pass
+
+
+class PluginAddMsg(Msg, tag="plugin-add"):
+    """To a worker, on its stream: a worker plugin (opaque: pickled by the client) to
+    set up before anything that follows (the plugins registered before it joined)."""
+
+    plugin: Any
+    name: str
+
+
+class PluginAddRequestMsg(Msg, tag="plugin-add"):
+    """To a worker, a request (from a client): set up this worker plugin; the reply
+    comes once its ``setup`` returned (an error if it raised)."""
+
+    plugin: Any
+    name: str
+    reply: bool = True
+
+
+class PluginRemoveMsg(Msg, tag="plugin-remove"):
+    """To a worker, a request: tear down and drop the worker plugin ``name``."""
+
+    name: str
+    reply: bool = True
+
+
+class RegisterWorkerPluginMsg(Msg, tag="register-worker-plugin"):
+    """To the scheduler: keep this worker plugin (opaque) for the workers that join
+    from now on; the reply lists the workers there now (the client sends it to them),
+    none when ``idempotent`` and one of that name is kept already."""
+
+    plugin: Any
+    name: str
+    idempotent: bool = False
+    reply: bool = True
+
+
+class UnregisterWorkerPluginMsg(Msg, tag="unregister-worker-plugin"):
+    """To the scheduler: forget the worker plugin ``name``; the reply lists the workers
+    there now (the client has them remove it)."""
+
+    name: str
+    reply: bool = True
 
 
 # ------------------------------------------------------------------ client <-> scheduler (§9)
@@ -283,6 +340,12 @@ class TaskDef(msgspec.Struct, forbid_unknown_fields=False):
     deps: list[Any] = []
     workers: list[str] | None = None
     retries: int = 0
+    #: higher runs first among runnable tasks (ties: submission order)
+    priority: int = 0
+    #: abstract resources it needs while it runs, ``{"GPU": 1}`` (nil: none)
+    resources: dict[str, float] | None = None
+    #: ``workers`` is a preference, not a restriction
+    allow_other_workers: bool = False
 
 
 class UpdateGraphMsg(Msg, tag="update-graph"):
@@ -309,6 +372,13 @@ class CancelKeysMsg(Msg, tag="cancel-keys"):
 
 class CloseClientMsg(Msg, tag="close-client"):
     pass
+
+
+class FireAndForgetMsg(Msg, tag="fire-and-forget"):
+    keys: list[Any] = []
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
 
 
 class KeyInMemoryMsg(Msg, tag="key-in-memory"):
@@ -353,7 +423,10 @@ class IdentityMsg(Msg, tag="identity"):
 
 
 class SchedulerInfoMsg(Msg, tag="scheduler-info"):
+    #: how many workers to describe (-1: all)
+    n_workers: int = -1
     reply: bool = True
+    optional: ClassVar[tuple[str, ...]] = ("n_workers",)
 
 
 class WhoHasMsg(Msg, tag="who-has"):
@@ -374,7 +447,10 @@ class UpdateDataMsg(Msg, tag="update-data"):
 
 
 class NcoresMsg(Msg, tag="ncores"):
+    #: only these workers (nil: all)
+    workers: list[str] | None = None
     reply: bool = True
+    optional: ClassVar[tuple[str, ...]] = ("workers",)
 
 
 class CountersMsg(Msg, tag="counters"):
@@ -383,6 +459,95 @@ class CountersMsg(Msg, tag="counters"):
 
 class RetireAllMsg(Msg, tag="retire-all"):
     reply: bool = True
+
+
+class ProgressMsg(Msg, tag="progress"):
+    """To the scheduler: how far the tasks behind ``keys`` (and their dependencies)
+    are, counted per key prefix (``shoal.progress``). ``id`` names the progress bar:
+    the first request gives ``keys``, later polls only the id; ``stop`` ends it."""
+
+    id: str
+    keys: list[Any] | None = None
+    complete: bool = True
+    stop: bool = False
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+    optional: ClassVar[tuple[str, ...]] = ("keys", "stop")
+
+
+# cluster operations of the client (``shoal.scheduler.ops``, §9.3)
+
+
+class WaitForWorkersMsg(Msg, tag="wait-for-workers"):
+    """To the scheduler: answer once ``n_workers`` workers are registered (an error
+    ``TimeoutError`` after ``timeout`` seconds; nil: no limit)."""
+
+    n_workers: int
+    timeout: float | None = None
+    reply: bool = True
+
+
+class HasWhatMsg(Msg, tag="has-what"):
+    """To the scheduler: the keys each worker holds (``workers``: only these; nil: all)."""
+
+    workers: list[str] | None = None
+    reply: bool = True
+
+
+class ProcessingMsg(Msg, tag="processing"):
+    """To the scheduler: the keys given to each worker to compute."""
+
+    workers: list[str] | None = None
+    reply: bool = True
+
+
+class VersionsMsg(Msg, tag="versions"):
+    """To the scheduler: the versions it runs (its own; it imports nothing it is sent)."""
+
+    packages: list[str] = []
+    reply: bool = True
+
+
+class RebalancePlanMsg(Msg, tag="rebalance-plan"):
+    """To the scheduler: moves that even out the bytes the workers hold (``keys``:
+    only these may move; ``workers``: only between these)."""
+
+    keys: list[Any] | None = None
+    workers: list[str] | None = None
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
+class RemoveReplicasMsg(Msg, tag="remove-replicas"):
+    """To the scheduler: drop these copies (``{key: [worker, ...]}``), each only while
+    another worker holds the key; the scheduler tells the workers to free them."""
+
+    who_has: dict[Any, list[str]] = {}
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("who_has",)
+
+
+class RestartMsg(Msg, tag="restart"):
+    """To the scheduler: cancel every task of every client (``Client.restart``; the
+    caller, ``client``, cancels its own futures and is sent no ``cancelled-key``)."""
+
+    client: str = ""
+    reply: bool = True
+
+
+class UploadFileMsg(Msg, tag="upload-file"):
+    """To the scheduler (which keeps it for workers that join later and passes it on to
+    every worker) and to a worker: a file to write into the worker's directory of
+    uploads, put on ``sys.path`` and, with ``load``, import. ``data`` is the file's bytes."""
+
+    filename: str
+    data: bytes
+    load: bool = True
+    reply: bool = True
+
+
+CLUSTER_OPS_REQUESTS = (WaitForWorkersMsg, HasWhatMsg, ProcessingMsg, VersionsMsg, RebalancePlanMsg,
+                        RemoveReplicasMsg, RestartMsg, UploadFileMsg)
 
 
 class GetDataMsg(Msg, tag="get-data"):
@@ -406,8 +571,191 @@ class RunMsg(Msg, tag="run"):
     reply: bool = True
 
 
+class ActorExecuteMsg(Msg, tag="actor-execute"):
+    key: Any
+    method: str
+    args: Any = ()
+    kwargs: Any = None
+    reply: bool = True
+    key_fields: ClassVar[tuple[str, ...]] = ("key",)
+
+
+class ActorAttributeMsg(Msg, tag="actor-attribute"):
+    key: Any
+    attribute: str
+    reply: bool = True
+    key_fields: ClassVar[tuple[str, ...]] = ("key",)
+
+
 class TransferStatsMsg(Msg, tag="transfer-stats"):
     reply: bool = True
+
+
+# ------------------------------------------------------------------ coordination (§9.4)
+# Named objects the scheduler holds for clients (Variable, Queue, Lock/Semaphore, Event,
+# Pub/Sub, datasets). Values are opaque (``data``); ``keys`` are futures' keys the
+# object keeps alive; ``client`` is the caller's id (leases, subscriptions and keys
+# handed over are tied to it); ``flush`` names a ``coordination-flush`` the caller sent
+# on its stream first, so that the graphs of the futures it passes have arrived.
+
+
+class CoordinationFlushMsg(Msg, tag="coordination-flush"):
+    """On the client stream: a marker that requests naming ``uid`` wait for."""
+
+    uid: str
+
+
+class PubSubSubscribeMsg(Msg, tag="pubsub-subscribe"):
+    name: str
+    sub: str
+
+
+class PubSubUnsubscribeMsg(Msg, tag="pubsub-unsubscribe"):
+    sub: str
+
+
+class PubSubPublishMsg(Msg, tag="pubsub-publish"):
+    name: str
+    data: Any = None
+
+
+class PubSubGetMsg(Msg, tag="pubsub-get"):
+    name: str
+    sub: str
+    client: str = ""
+    timeout: float | None = None
+    reply: bool = True
+
+
+class VariableSetMsg(Msg, tag="variable-set"):
+    name: str
+    keys: list[Any] = []
+    data: Any = None
+    client: str = ""
+    flush: str = ""
+    timeout: float | None = None
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
+class VariableGetMsg(Msg, tag="variable-get"):
+    name: str
+    client: str = ""
+    timeout: float | None = None
+    reply: bool = True
+
+
+class VariableDeleteMsg(Msg, tag="variable-delete"):
+    name: str
+    reply: bool = True
+
+
+class QueuePutMsg(Msg, tag="queue-put"):
+    name: str
+    maxsize: int = 0
+    keys: list[Any] = []
+    data: Any = None
+    client: str = ""
+    flush: str = ""
+    timeout: float | None = None
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
+class QueueGetMsg(Msg, tag="queue-get"):
+    name: str
+    maxsize: int = 0
+    batch: bool | int = False
+    client: str = ""
+    timeout: float | None = None
+    reply: bool = True
+
+
+class QueueSizeMsg(Msg, tag="queue-size"):
+    name: str
+    maxsize: int = 0
+    reply: bool = True
+
+
+class SemaphoreAcquireMsg(Msg, tag="semaphore-acquire"):
+    name: str
+    max_leases: int
+    lease: str
+    client: str = ""
+    timeout: float | None = None
+    reply: bool = True
+
+
+class SemaphoreReleaseMsg(Msg, tag="semaphore-release"):
+    name: str
+    lease: str
+    reply: bool = True
+
+
+class SemaphoreValueMsg(Msg, tag="semaphore-value"):
+    name: str
+    max_leases: int = 0
+    reply: bool = True
+
+
+class EventWaitMsg(Msg, tag="event-wait"):
+    name: str
+    client: str = ""
+    timeout: float | None = None
+    reply: bool = True
+
+
+class EventSetMsg(Msg, tag="event-set"):
+    name: str
+    reply: bool = True
+
+
+class EventClearMsg(Msg, tag="event-clear"):
+    name: str
+    reply: bool = True
+
+
+class EventIsSetMsg(Msg, tag="event-is-set"):
+    name: str
+    reply: bool = True
+
+
+class PublishPutMsg(Msg, tag="publish-put"):
+    names: list[Any]
+    keys: list[list[Any]] = []
+    data: list[Any] = []
+    override: bool = False
+    client: str = ""
+    flush: str = ""
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
+
+
+class PublishGetMsg(Msg, tag="publish-get"):
+    names: list[Any]
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
+
+
+class PublishDeleteMsg(Msg, tag="publish-delete"):
+    names: list[Any]
+    client: str = ""
+    flush: str = ""
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
+
+
+class PublishListMsg(Msg, tag="publish-list"):
+    reply: bool = True
+
+
+#: the coordination ops of the client stream (the scheduler hands them to its
+#: coordination extension)
+COORDINATION_STREAM = (CoordinationFlushMsg, PubSubSubscribeMsg, PubSubUnsubscribeMsg, PubSubPublishMsg)
+COORDINATION_REQUESTS = (PubSubGetMsg, VariableSetMsg, VariableGetMsg, VariableDeleteMsg, QueuePutMsg, QueueGetMsg,
+                         QueueSizeMsg, SemaphoreAcquireMsg, SemaphoreReleaseMsg, SemaphoreValueMsg, EventWaitMsg,
+                         EventSetMsg, EventClearMsg, EventIsSetMsg, PublishPutMsg, PublishGetMsg, PublishDeleteMsg,
+                         PublishListMsg)
 
 
 # ------------------------------------------------------------------ tables by direction
@@ -419,13 +767,17 @@ def _table(*types: type[Msg]) -> dict[str, type[Msg]]:
 
 HANDSHAKE = _table(HandshakeMsg, HandshakeAuthMsg, HandshakeShmMsg, HandshakeRefusedMsg)
 WORKER_TO_SCHEDULER = _table(TaskFinishedMsg, WorkerTaskErredMsg, MissingDataMsg, RescheduleMsg,
-                             HeartbeatMsg, UnregisterMsg)
-SCHEDULER_TO_WORKER = _table(ComputeTaskMsg, FreeKeysMsg, CloseMsg)
-CLIENT_TO_SCHEDULER = _table(UpdateGraphMsg, ReleaseKeysMsg, CancelKeysMsg, HeartbeatMsg, CloseClientMsg)
+                             LongRunningMsg, HeartbeatMsg, UnregisterMsg)
+SCHEDULER_TO_WORKER = _table(ComputeTaskMsg, FreeKeysMsg, CloseMsg, PluginAddMsg)
+CLIENT_TO_SCHEDULER = _table(UpdateGraphMsg, ReleaseKeysMsg, CancelKeysMsg, HeartbeatMsg, CloseClientMsg,
+                             FireAndForgetMsg, *COORDINATION_STREAM)
 SCHEDULER_TO_CLIENT = _table(KeyInMemoryMsg, TaskErredMsg, CancelledKeyMsg, LostKeyMsg)
 SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateDataMsg, NcoresMsg, CountersMsg,
-                            RetireAllMsg, RegisterWorkerMsg, RegisterClientMsg)
-WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg)
+                            RetireAllMsg, RegisterWorkerMsg, RegisterClientMsg, ProgressMsg,
+                            RegisterWorkerPluginMsg, UnregisterWorkerPluginMsg, *COORDINATION_REQUESTS,
+                            *CLUSTER_OPS_REQUESTS)
+WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,
+                        ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg)
 CONTROL = _table(LeaseAckMsg)
 
 #: every message struct, for the documentation check
@@ -464,6 +816,10 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
                 raise ProtocolError(f"{where}malformed {op!r}: a key in {name!r}: {problem}")
     if typ is UpdateGraphMsg:
         _check_tasks(out)  # type: ignore[arg-type]
+    elif typ is RegisterWorkerMsg or typ is ComputeTaskMsg:
+        problem = resources_problem(out.resources)  # type: ignore[attr-defined]
+        if problem is not None:
+            raise ProtocolError(f"{where}malformed {op!r}: field 'resources': {problem}")
     if typ.segment_fields:
         _check_segments(out, where, str(op))
     return out
@@ -490,6 +846,24 @@ def _check_tasks(msg: UpdateGraphMsg) -> None:
             problem = key_problem(k)
             if problem is not None:
                 raise ProtocolError(f"malformed 'update-graph': task {i}: {problem}")
+        problem = resources_problem(task.resources)
+        if problem is not None:
+            raise ProtocolError(f"malformed 'update-graph': task {i}: resources: {problem}")
+
+
+def resources_problem(resources: dict[str, float] | None) -> str | None:
+    """Why ``resources`` (name -> amount) is not a valid map of abstract resources, or
+    ``None``: amounts are finite and not negative, names are non-empty, at most 64."""
+    if not resources:
+        return None
+    if len(resources) > 64:
+        return f"{len(resources)} resources (at most 64)"
+    for name, amount in resources.items():
+        if not name or len(name) > 200:
+            return f"a resource name must have 1 to 200 characters, got {name!r:.60}"
+        if not math.isfinite(amount) or amount < 0:
+            return f"resource {name!r}: amount {amount!r} is not a finite number >= 0"
+    return None
 
 
 def to_wire(msg: Msg) -> dict[str, Any]:

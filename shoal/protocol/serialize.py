@@ -271,6 +271,12 @@ def deserialize(s: Serialized) -> Any:
 
 def _describe_failure(obj: Any, exc: BaseException, path: str) -> SerializationError:
     """Find the innermost part of ``obj`` that fails to pickle and name where it is."""
+    return unserializable(obj, exc, path)
+
+
+def unserializable(obj: Any, exc: BaseException, path: str = "") -> SerializationError:
+    """The error for ``obj`` failing to pickle with ``exc``: it names the innermost
+    part of ``obj`` that fails (``args[0]``, ``function``), below ``path``."""
     where, culprit = _find_unpicklable(obj, path, depth=0)
     return SerializationError(f"cannot serialize {_typename(culprit)!r} at {where or '<value>'}: {describe(exc)}")
 
@@ -448,6 +454,8 @@ def _sizeof(obj: Any) -> int:
         return len(obj)
     if isinstance(obj, memoryview):
         return obj.nbytes
+    if getattr(type(obj), "__shoal_handle__", False):
+        return 64  # a handle on something remote (an actor): asking it would be a call
     nbytes = getattr(obj, "nbytes", None)
     if isinstance(nbytes, int):
         return nbytes

@@ -24,6 +24,7 @@ class AddWorkerEvent(Event):
     host: str = ""
     pid: int = 0
     name: str = ""
+    resources: dict[str, float] = field(default_factory=dict)
     #: when it registered, on the clock of :class:`CheckLivenessEvent` (None: its
     #: silence is counted from the next check)
     now: float | None = None
@@ -71,6 +72,10 @@ class NewTask:
     dependencies: list[Key] = field(default_factory=list)
     restrictions: list[str] | None = None
     retries: int = 0
+    #: higher runs first (ties: submission order)
+    priority: int = 0
+    resources: dict[str, float] | None = None
+    loose_restrictions: bool = False
 
 
 @dataclass
@@ -82,7 +87,8 @@ class UpdateGraphEvent(Event):
 
     def logged(self) -> UpdateGraphEvent:
         """This event for the log: the tasks without their payloads."""
-        tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries) for t in self.tasks]
+        tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries, t.priority, t.resources,
+                         t.loose_restrictions) for t in self.tasks]
         return UpdateGraphEvent(self.stimulus_id, self.client, tasks, self.wanted)
 
 
@@ -151,6 +157,15 @@ class UpdateDataEvent(Event):
 
 
 @dataclass
+class RemoveReplicasEvent(Event):
+    """Drop these copies of values in memory (``rebalance``, ``replicate`` with fewer
+    copies): ``{key: [worker, ...]}``. A copy is dropped only while another worker
+    holds the key, and not from a worker whose running tasks need it."""
+
+    who_has: dict[Key, list[str]]
+
+
+@dataclass
 class MissingDataEvent(Event):
     """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
 
@@ -164,6 +179,26 @@ class RescheduleEvent(Event):
 
     worker: str
     key: Key
+
+
+@dataclass
+class LongRunningEvent(Event):
+    """A task running on ``worker`` seceded (it waits for other tasks): it no longer
+    holds one of the worker's threads."""
+
+    worker: str
+    key: Key
+
+
+#: the client name under which fire-and-forget keys are held until they end
+FIRE_AND_FORGET = "fire-and-forget"
+
+
+@dataclass
+class FireAndForgetEvent(Event):
+    """Run these keys to the end even if every client lets go of them."""
+
+    keys: list[Key]
 
 
 @dataclass
@@ -197,6 +232,8 @@ class ComputeTask(Instruction):
     shm: dict[Key, Any] = field(default_factory=dict)
     #: a client waits for the value: the worker may send it back inline
     report: bool = False
+    #: abstract resources it holds while it runs
+    resources: dict[str, float] | None = None
 
 
 @dataclass

@@ -28,12 +28,19 @@ class WorkerState:
     pid: int = 0
     name: str = ""
     processing: set[TaskState] = field(default_factory=set)
+    #: processing tasks that seceded (they wait for other tasks): they hold no thread
+    long_running: set[TaskState] = field(default_factory=set)
     has_what: set[TaskState] = field(default_factory=set)
     nbytes: int = 0
     #: when it last sent anything, on the clock of the liveness events (None: not yet)
     last_seen: float | None = None
     #: the last liveness check found it silent for longer than the ttl
     overdue: bool = False
+    #: abstract resources it offers, and how much of them its processing tasks hold
+    resources: dict[str, float] = field(default_factory=dict)
+    used_resources: dict[str, float] = field(default_factory=dict)
+    #: the host part of its address (``workers=`` may name a host)
+    ip: str = ""
 
     def __repr__(self) -> str:
         return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
@@ -44,7 +51,8 @@ class TaskState:
     key: Key
     payload: Any = None
     state: TState = "released"
-    priority: tuple[int, ...] = (0,)
+    #: (-user priority, graph generation, order in the graph): lower runs first
+    priority: tuple[int, ...] = (0, 0, 0)
     dependencies: set[TaskState] = field(default_factory=set)
     dependents: set[TaskState] = field(default_factory=set)
     #: dependencies not in memory yet
@@ -54,7 +62,12 @@ class TaskState:
     who_has: set[WorkerState] = field(default_factory=set)
     processing_on: WorkerState | None = None
     who_wants: set[str] = field(default_factory=set)
+    #: where it may run: worker addresses, names or hosts (None: anywhere)
     restrictions: set[str] | None = None
+    #: ``restrictions`` are a preference (allow_other_workers)
+    loose_restrictions: bool = False
+    #: abstract resources it holds while it runs (None: none)
+    resources: dict[str, float] | None = None
     nbytes: int = -1
     retries: int = 0
     suspicious: int = 0

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -30,14 +31,17 @@ from ..protocol import REMOTE, Serialized
 from ..protocol.serialize import forwarded
 from ..protocol.messages import (
     CLIENT_TO_SCHEDULER,
+    COORDINATION_STREAM,
     SCHEDULER_REQUESTS,
     WORKER_TO_SCHEDULER,
     CancelKeysMsg,
     CloseClientMsg,
     CloseMsg,
     ComputeTaskMsg,
+    FireAndForgetMsg,
     FreeKeysMsg,
     HeartbeatMsg,
+    LongRunningMsg,
     MissingDataMsg,
     Msg,
     ReleaseKeysMsg,
@@ -52,6 +56,11 @@ from ..protocol.messages import (
     to_wire,
 )
 from ..rpc import BatchedSend, Server, read_batch, without_values
+from .plugin import SchedulerPlugin, call_async, tell_plugins
+from .progress import ProgressRequests
+from .coordination_server import CoordinationServer
+from .worker_plugins import WorkerPluginStore
+from .ops import SchedulerOps
 from .state import (
     AddClientEvent,
     AddWorkerEvent,
@@ -61,9 +70,11 @@ from .state import (
     CloseWorkerStream,
     ComputeTask,
     FailKeysEvent,
+    FireAndForgetEvent,
     FreeKeys,
     HeartbeatEvent,
     Instruction,
+    LongRunningEvent,
     MissingDataEvent,
     NewTask,
     ReleaseKeysEvent,
@@ -85,11 +96,22 @@ logger = logging.getLogger("shoal.scheduler")
 class Scheduler:
     """Serves workers and clients; all decisions are :class:`SchedulerState`'s."""
 
-    def __init__(self, name: str = "scheduler", security: Security | None = None):
+    def __init__(self, name: str = "scheduler", security: Security | None = None,
+                 plugins: Iterable[SchedulerPlugin] = ()):
         self.state = SchedulerState(worker_ttl=config.get("worker-ttl"))
+        #: objects of this process told what the scheduler does (:mod:`.plugin`)
+        self.plugins: dict[str, SchedulerPlugin] = {}
+        self._initial_plugins = list(plugins)
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.name = name
         #: who may connect: a fresh random secret unless one is given
         self.security = Security.new() if security is None else security
+        #: named variables, queues, locks, events, pub/sub and datasets (shoal.Variable, ...)
+        self.coordination = CoordinationServer(self)
+        #: worker plugins (opaque) for the workers that join later
+        self.worker_plugins = WorkerPluginStore(lambda: self.worker_streams)
+        #: the client's cluster operations (has-what, rebalance, restart, upload-file, ...)
+        self.ops = SchedulerOps(self)
         self.server = Server(
             {
                 "identity": self.identity,
@@ -99,6 +121,10 @@ class Scheduler:
                 "ncores": self.ncores,
                 "counters": self.counters,
                 "retire-all": self.retire_all,
+                "progress": ProgressRequests(lambda: self.state.tasks, time.monotonic).handle,
+                **self.coordination.handlers(),
+                **self.worker_plugins.handlers(),
+                **self.ops.handlers(),
             },
             stream_handlers={
                 "register-worker": self.add_worker,
@@ -123,6 +149,8 @@ class Scheduler:
         return self.server.address
 
     async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:
+        #: the loop it runs on (plugins of this process are added there)
+        self.loop = asyncio.get_running_loop()
         listener = await self.server.listen(address)
         # connections of this process to it find its secret without being told
         security.register(listener.contact_address, self.security)
@@ -133,7 +161,24 @@ class Scheduler:
         ttl = self.state.worker_ttl
         if ttl > 0:
             self._liveness = asyncio.ensure_future(self._check_liveness(min(ttl / 4, 1.0)))
+        for plugin in self._initial_plugins:
+            await self.add_plugin(plugin)
         return self
+
+    async def add_plugin(self, plugin: SchedulerPlugin, name: str | None = None) -> None:
+        """Add ``plugin`` (an object of this process; one of the same name is replaced,
+        after its ``close()``) and call its ``start(scheduler)``."""
+        name = name or getattr(plugin, "name", None) or f"{type(plugin).__name__}-{id(plugin):x}"
+        old = self.plugins.pop(name, None)
+        if old is not None:
+            await call_async(old, "close")
+        self.plugins[name] = plugin
+        await call_async(plugin, "start", self)
+
+    async def remove_plugin(self, name: str) -> None:
+        """Remove the plugin ``name`` (``KeyError`` if there is none) after its ``close()``."""
+        plugin = self.plugins.pop(name)
+        await call_async(plugin, "close")
 
     async def _check_liveness(self, period: float) -> None:
         """Tell the state the time every ``period`` seconds: it removes silent workers."""
@@ -161,22 +206,33 @@ class Scheduler:
 
     # -- rpc handlers
 
-    def identity(self, comm: Comm | None = None) -> dict[str, Any]:
+    def identity(self, comm: Comm | None = None, n_workers: int = -1) -> dict[str, Any]:
+        """The scheduler and its workers (the first ``n_workers`` of them; -1: all)."""
+        workers = list(self.state.workers.values())
         return {
+            "type": "Scheduler",
+            "id": self.name,
             "address": self.address,
+            "n_workers": len(workers),
+            "total_threads": sum(ws.nthreads for ws in workers),
             "workers": {
-                ws.address: {"nthreads": ws.nthreads, "host": ws.host, "pid": ws.pid, "name": ws.name}
-                for ws in self.state.workers.values()
+                ws.address: {"type": "Worker", "id": ws.name, "nthreads": ws.nthreads, "host": ws.host,
+                             "pid": ws.pid, "name": ws.name, "resources": dict(ws.resources), "status": "running"}
+                for ws in (workers if n_workers < 0 else workers[:n_workers])
             },
         }
 
-    def ncores(self, comm: Comm | None = None) -> dict[str, int]:
-        return {a: ws.nthreads for a, ws in self.state.workers.items()}
+    def ncores(self, comm: Comm | None = None, workers: list[str] | None = None) -> dict[str, int]:
+        """``{address: nthreads}`` of the workers (of those among ``workers``)."""
+        known = self.state.workers
+        return {a: known[a].nthreads for a in (known if workers is None else workers) if a in known}
 
     def who_has(self, comm: Comm | None = None, keys: list[Any] | None = None) -> dict[Any, list[str]]:
+        """``{key: [address, ...]}`` of every key, or of ``keys`` (an unknown one: ``[]``)."""
         tasks = self.state.tasks
-        selected = tasks.values() if keys is None else (tasks[k] for k in keys if k in tasks)
-        return {ts.key: sorted(ws.address for ws in ts.who_has) for ts in selected}
+        if keys is None:
+            return {ts.key: sorted(ws.address for ws in ts.who_has) for ts in tasks.values()}
+        return {k: sorted(ws.address for ws in tasks[k].who_has) if k in tasks else [] for k in keys}
 
     def update_data(self, comm: Comm | None = None, who_has: dict[Any, list[str]] | None = None,
                     nbytes: dict[Any, int] | None = None, client: str = "",
@@ -201,7 +257,8 @@ class Scheduler:
     # -- streams
 
     async def add_worker(self, comm: Comm, address: str, nthreads: int, host: str = "",
-                         pid: int = 0, name: str = "", **_: Any) -> None:
+                         pid: int = 0, name: str = "", resources: dict[str, float] | None = None,
+                         **_: Any) -> None:
         if address in self.worker_streams:
             await _reply_error(comm, f"a worker at {address} is already registered")
             return
@@ -213,8 +270,11 @@ class Scheduler:
         stream.start(comm)
         self.worker_streams[address] = stream
         self.worker_comms[address] = comm
+        self.worker_plugins.send_all(stream)  # set up before any task arrives there
+        if self.ops.uploads:
+            await self.ops.worker_joins(address)  # files its tasks may import, before any task
         self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name,
-                                   time.monotonic()))
+                                   resources=dict(resources or {}), now=time.monotonic()))
         logger.info("worker %s joined (%d threads)", address, nthreads)
         self._notify_workers_changed()
         clean = False
@@ -265,7 +325,9 @@ class Scheduler:
 
         async def wait() -> None:
             while len(self.state.workers) < n:
-                self._workers_changed = asyncio.Event()
+                # one event for every waiter: the first to see it set makes the next
+                if self._workers_changed is None or self._workers_changed.is_set():
+                    self._workers_changed = asyncio.Event()
                 await self._workers_changed.wait()
 
         try:
@@ -286,6 +348,8 @@ class Scheduler:
                 self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker))
             case RescheduleMsg():
                 self._apply(RescheduleEvent(sid, address, msg.key))
+            case LongRunningMsg():
+                self._apply(LongRunningEvent(sid, address, msg.key))
             case HeartbeatMsg():
                 pass  # a sign of life, noted for the whole batch (_seen)
 
@@ -336,6 +400,7 @@ class Scheduler:
             if same_host:
                 shm_handover.return_to.discard(pid)
             self._apply(RemoveClientEvent(self._stimulus("remove-client"), client))
+            self.coordination.client_removed(client)  # its leases, subscriptions, waiters
             await stream.close()
             if same_host:
                 # what was given back to a departed client process and never taken in
@@ -346,14 +411,19 @@ class Scheduler:
         sid = getattr(msg, "stimulus_id", "") or self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
         match msg:
             case UpdateGraphMsg():
-                tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries) for t in msg.tasks]
+                tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries, t.priority, t.resources or None,
+                                 t.allow_other_workers) for t in msg.tasks]
                 self._apply(UpdateGraphEvent(sid, client, tasks, msg.wanted))
             case ReleaseKeysMsg():
                 self._apply(ReleaseKeysEvent(sid, client, msg.keys))
             case CancelKeysMsg():
                 self._apply(CancelKeysEvent(sid, client, msg.keys))
+            case FireAndForgetMsg():
+                self._apply(FireAndForgetEvent(sid, msg.keys))
             case HeartbeatMsg():
                 pass
+            case _ if isinstance(msg, COORDINATION_STREAM):
+                self.coordination.stream_msg(client, msg)
 
     def _unreadable_graph(self, client: str, raw: Any, exc: ProtocolError) -> bool:
         """A graph the scheduler cannot read errs its wanted keys (those that are keys)
@@ -375,11 +445,15 @@ class Scheduler:
     # -- instructions
 
     def _apply(self, event: Any) -> None:
+        log = self.state.log.transitions
+        last = log[-1] if self.plugins and log else None
         try:
             instructions = self.state.handle(event)
         except Exception as exc:  # noqa: BLE001 - a bug of the state machine's, never bad input
             self._internal_error(event, exc)
             return
+        if self.plugins:
+            tell_plugins(self, event, instructions, last)
         # free-keys to one worker merge into one message, sent before anything else
         # that goes to that worker, so the worker sees them in the order made
         free: dict[str, list[Any]] = {}
@@ -423,6 +497,7 @@ class Scheduler:
                 self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
                     inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
                     shm=inst.shm or None, report=inst.report, stimulus_id=inst.stimulus_id,
+                    resources=inst.resources,
                 )))
         elif isinstance(inst, CloseWorkerStream):
             logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
@@ -484,10 +559,13 @@ class Scheduler:
 
     async def close(self) -> None:
         self.closing = True
+        for name in list(self.plugins):
+            await self.remove_plugin(name)
         if self._liveness is not None:
             self._liveness.cancel()  # workers that stop talking now are closing
         for listener in self.server.listeners:
             security.unregister(listener.contact_address)
+        self.coordination.close()
         await self.retire_all()
         for stream in list(self.worker_streams.values()) + list(self.client_streams.values()):
             await stream.close(timeout=2.0)

@@ -62,11 +62,13 @@ from typing import Any
 
 from ..protocol.messages import CancelledKeyMsg, TaskErredMsg, to_wire
 from .events import (
+    FIRE_AND_FORGET,
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
     CheckLivenessEvent,
     FailKeysEvent,
+    FireAndForgetEvent,
     ClientMsg,
     CloseWorkerStream,
     ComputeTask,
@@ -74,10 +76,12 @@ from .events import (
     FreeKeys,
     HeartbeatEvent,
     Instruction,
+    LongRunningEvent,
     MissingDataEvent,
     NewTask,
     ReleaseKeysEvent,
     RemoveClientEvent,
+    RemoveReplicasEvent,
     RemoveWorkerEvent,
     RescheduleEvent,
     TaskErredEvent,
@@ -119,11 +123,14 @@ __all__ = [
     "ReleaseKeysEvent",
     "CancelKeysEvent",
     "UpdateDataEvent",
+    "RemoveReplicasEvent",
     "MissingDataEvent",
     "RescheduleEvent",
+    "LongRunningEvent",
     "HeartbeatEvent",
     "CheckLivenessEvent",
     "FailKeysEvent",
+    "FireAndForgetEvent",
     # instructions
     "ComputeTask",
     "FreeKeys",
@@ -175,11 +182,14 @@ class SchedulerState(TaskTransitions):
             ReleaseKeysEvent: self._release_keys,
             CancelKeysEvent: self._cancel_keys,
             UpdateDataEvent: self._update_data,
+            RemoveReplicasEvent: self._remove_replicas,
             MissingDataEvent: self._missing_data,
             RescheduleEvent: self._reschedule,
+            LongRunningEvent: self._long_running,
             HeartbeatEvent: self._heartbeat,
             CheckLivenessEvent: self._check_liveness,
             FailKeysEvent: self._fail_keys,
+            FireAndForgetEvent: self._fire_and_forget,
         }
 
     # -- entry point
@@ -210,7 +220,8 @@ class SchedulerState(TaskTransitions):
             return
         if ev.nthreads < 1:
             raise ValueError(f"worker {ev.address} has {ev.nthreads} threads")
-        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name, last_seen=ev.now)
+        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name, last_seen=ev.now,
+                                               resources=dict(ev.resources), ip=_address_host(ev.address))
         # tasks that failed for want of this worker, or were waiting for any worker
         self._fill(self.workers[ev.address])
 
@@ -222,6 +233,7 @@ class SchedulerState(TaskTransitions):
     def _drop_worker(self, ws: WorkerState, crashed: bool) -> None:
         """Reschedule the tasks of ``ws``, no longer in ``self.workers``, and forget its values."""
         recs: dict[TaskState, str] = {}
+        ws.long_running.clear()
         for ts in sorted(ws.processing):
             ws.processing.discard(ts)
             ts.processing_on = None
@@ -241,7 +253,7 @@ class SchedulerState(TaskTransitions):
         ws.has_what.clear()
         # queued tasks that may only run on workers that are all gone now
         for ts in sorted(self.queued):
-            if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+            if self._nowhere(ts):
                 self._dequeue(ts)
                 recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
         self._recommend(recs)
@@ -272,6 +284,12 @@ class SchedulerState(TaskTransitions):
             recs.update(self._err(ts, None, None, ev.text, kind="InternalError"))
         self._recommend(recs)
 
+    def _fire_and_forget(self, ev: FireAndForgetEvent) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is not None and ts.state in ("released", "waiting", "queued", "processing"):
+                ts.who_wants.add(FIRE_AND_FORGET)
+
     def _add_client(self, ev: AddClientEvent) -> None:
         self.clients.add(ev.client)
 
@@ -297,9 +315,12 @@ class SchedulerState(TaskTransitions):
         created: list[TaskState] = []
         for i, key in enumerate(order):
             t = new[key]
-            ts = TaskState(key, payload=t.payload, priority=(generation, i), retries=t.retries)
+            ts = TaskState(key, payload=t.payload, priority=(-t.priority, generation, i), retries=t.retries)
             if t.restrictions is not None:
                 ts.restrictions = set(t.restrictions)
+                ts.loose_restrictions = t.loose_restrictions
+            if t.resources:
+                ts.resources = dict(t.resources)
             self.tasks[key] = ts
             created.append(ts)
         for ts in created:
@@ -315,7 +336,7 @@ class SchedulerState(TaskTransitions):
         for ts in created:
             if ts.state != "released":
                 continue  # erred already, with a dependency that cannot run
-            if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+            if self._nowhere(ts):
                 recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
                 continue
             recs[ts] = "waiting"
@@ -413,7 +434,7 @@ class SchedulerState(TaskTransitions):
                 continue
             ts = self.tasks.get(key)
             if ts is None:
-                ts = self.tasks[key] = TaskState(key, priority=(next(self._generation), 0))
+                ts = self.tasks[key] = TaskState(key, priority=(0, next(self._generation), 0))
             ts.who_wants.add(ev.client)
             if ts.state == "processing":
                 # a task is computing this key already: keep it; it will report the value,
@@ -438,6 +459,23 @@ class SchedulerState(TaskTransitions):
             recs.update(self._on_memory(ts))
         self._recommend(recs)
 
+    def _remove_replicas(self, ev: RemoveReplicasEvent) -> None:
+        for key, addresses in ev.who_has.items():
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            for address in addresses:
+                ws = self.workers.get(address)
+                # never the last copy; nor one that a task running there may be reading
+                if ws is None or ws not in ts.who_has or len(ts.who_has) < 2:
+                    continue
+                if any(dts.processing_on is ws for dts in ts.dependents):
+                    continue
+                ts.who_has.discard(ws)
+                ws.has_what.discard(ts)
+                ws.nbytes -= max(ts.nbytes, 0)
+                self._emit(FreeKeys(self._stimulus, ws.address, [key]))
+
     def _missing_data(self, ev: MissingDataEvent) -> None:
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.errant_worker)
@@ -458,8 +496,16 @@ class SchedulerState(TaskTransitions):
             return
         self._recommend(self._transition(ts, "waiting"))
 
+    def _long_running(self, ev: LongRunningEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
+            return
+        ws.long_running.add(ts)  # its slot is free: handle() fills it from the queue
+
     def _capacity(self, ws: WorkerState) -> int:
-        return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing)
+        # seceded tasks hold no thread: the tasks they wait for must find room
+        return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing) + len(ws.long_running)
 
     def _ahead_per_thread(self) -> int:
         """Tasks a worker holds beyond one per thread: enough to stay busy for the time
@@ -478,11 +524,28 @@ class SchedulerState(TaskTransitions):
             self.average_duration = duration if avg <= 0 else 0.9 * avg + 0.1 * duration
 
     def _decide_worker(self, ts: TaskState) -> WorkerState | None:
-        """The worker with room that holds the most input bytes; then the least busy."""
-        if ts.restrictions is not None:
-            candidates: Iterable[WorkerState] = (self.workers[a] for a in ts.restrictions if a in self.workers)
-        else:
-            candidates = self.workers.values()
+        """The worker with room that holds the most input bytes; then the least busy.
+        Only workers that ``ts`` may run on count (``workers=``, resources free); with
+        loose restrictions, any worker when none of those has room."""
+        if ts.restrictions is not None or ts.resources:
+            best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run(ts, ws)])
+            if best is None and ts.loose_restrictions:
+                best = self._best_worker(ts, [ws for ws in self.workers.values() if _has_resources(ts, ws)])
+            return best
+        return self._best_worker(ts, self.workers.values())
+
+    def _may_run(self, ts: TaskState, ws: WorkerState) -> bool:
+        """Whether ``ws`` is one of the workers ``ts`` is restricted to and has the
+        resources it asks for free."""
+        return self._allowed(ts, ws) and _has_resources(ts, ws)
+
+    @staticmethod
+    def _allowed(ts: TaskState, ws: WorkerState) -> bool:
+        """Whether ``workers=`` of ``ts`` names ``ws`` (its address, name or host)."""
+        r = ts.restrictions
+        return r is None or ws.address in r or ws.name in r or ws.ip in r
+
+    def _best_worker(self, ts: TaskState, candidates: Iterable[WorkerState]) -> WorkerState | None:
         best: WorkerState | None = None
         best_score: tuple[float, float, str] | None = None
         for ws in candidates:
@@ -501,7 +564,8 @@ class SchedulerState(TaskTransitions):
         skipped: list[TaskState] = []
         while self.queued and self._capacity(ws) > 0:
             ts = heapq.heappop(self.queued)
-            if ts.restrictions is not None and ws.address not in ts.restrictions:
+            if (ts.restrictions is not None or ts.resources) and not self._may_run(ts, ws) and not (
+                    ts.loose_restrictions and _has_resources(ts, ws)):
                 skipped.append(ts)
                 continue
             self._recommend(self._transition(ts, "processing", ws))
@@ -523,3 +587,18 @@ class SchedulerState(TaskTransitions):
         for ts in self.tasks.values():
             counts[ts.state] = counts.get(ts.state, 0) + 1
         return counts
+
+
+def _has_resources(ts: TaskState, ws: WorkerState) -> bool:
+    """Whether ``ws`` has the resources ``ts`` asks for free now."""
+    if not ts.resources:
+        return True
+    have, used = ws.resources, ws.used_resources
+    return all(have.get(name, 0) - used.get(name, 0) >= amount - 1e-9 for name, amount in ts.resources.items())
+
+
+def _address_host(address: str) -> str:
+    """``"tcp://10.0.0.1:8786"`` -> ``"10.0.0.1"`` (``[v6]`` without brackets)."""
+    rest = address.split("://", 1)[-1]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
-from .events import ClientMsg, ComputeTask, FreeKeys, Instruction
+from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
 from .model import TaskState, TState, WorkerState
 
 __all__ = ["TaskTransitions"]
@@ -32,6 +32,10 @@ class TaskTransitions:
     _instructions: list[Instruction]
 
     def _decide_worker(self, ts: TaskState) -> WorkerState | None:
+        raise NotImplementedError  # placement: SchedulerState
+
+    @staticmethod
+    def _allowed(ts: TaskState, ws: WorkerState) -> bool:
         raise NotImplementedError  # placement: SchedulerState
 
     def _recommend(self, recs: dict[TaskState, str]) -> None:
@@ -107,7 +111,7 @@ class TaskTransitions:
         return recs
 
     def _waiting_processing(self, ts: TaskState) -> dict[TaskState, str]:
-        if ts.restrictions is not None and not (ts.restrictions & self.workers.keys()):
+        if self._nowhere(ts):
             return self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError")
         ws = self._decide_worker(ts)
         if ws is None:
@@ -131,6 +135,10 @@ class TaskTransitions:
         self._set_state(ts, "processing")
         ts.processing_on = ws
         ws.processing.add(ts)
+        if ts.resources:
+            used = ws.used_resources
+            for name, amount in ts.resources.items():
+                used[name] = used.get(name, 0) + amount
         self._emit(ComputeTask(
             self._stimulus, ws.address, ts.key, ts.payload,
             {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
@@ -138,6 +146,7 @@ class TaskTransitions:
             ts.priority,
             {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
             bool(ts.who_wants),
+            ts.resources,
         ))
 
     @staticmethod
@@ -163,6 +172,7 @@ class TaskTransitions:
             dep.waiters.discard(ts)
             if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                 recs[dep] = "forgotten"
+        ts.who_wants.discard(FIRE_AND_FORGET)  # it ran to the end: nothing more to hold it for
         if ts.who_wants:
             self._to_clients(ts, self._in_memory_msg(ts))
         elif not ts.waiters:
@@ -230,6 +240,7 @@ class TaskTransitions:
         ``ts`` if nobody wants it.
         """
         self._set_state(ts, "erred")
+        ts.who_wants.discard(FIRE_AND_FORGET)
         ts.exception, ts.traceback, ts.exception_text = exception, traceback, text
         ts.exception_blame = blame or ts
         ts.error_kind = kind
@@ -251,6 +262,15 @@ class TaskTransitions:
             recs[ts] = "forgotten"
         return recs
 
+    def _nowhere(self, ts: TaskState) -> bool:
+        """Whether ``ts`` may only run on workers (``workers=``, strictly) none of
+        which is in the cluster. (A task that asks for resources no worker offers
+        waits for one instead: workers with resources may join.)"""
+        r = ts.restrictions
+        if r is None or ts.loose_restrictions:
+            return False
+        return not any(self._allowed(ts, ws) for ws in self.workers.values())
+
     def _no_worker_text(self, ts: TaskState) -> str:
         assert ts.restrictions is not None
         return (f"ValueError: task {ts.key!r} may only run on workers={sorted(ts.restrictions)}, and no such "
@@ -262,7 +282,10 @@ class TaskTransitions:
         ws = ts.processing_on
         assert ws is not None
         ws.processing.discard(ts)
+        ws.long_running.discard(ts)
         ts.processing_on = None
+        if ts.resources:
+            release_resources(ws, ts.resources)
         if tell:
             self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
 
@@ -345,3 +368,14 @@ _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
     ("erred", "released"): TaskTransitions._to_released,
     ("released", "forgotten"): TaskTransitions._released_forgotten,
 }
+
+
+def release_resources(ws: WorkerState, resources: dict[str, float]) -> None:
+    """A task that held ``resources`` on ``ws`` no longer runs there."""
+    used = ws.used_resources
+    for name, amount in resources.items():
+        left = used.get(name, 0) - amount
+        if left > 1e-9:
+            used[name] = left
+        else:
+            used.pop(name, None)

@@ -26,7 +26,7 @@ def validate_state(state: SchedulerState) -> None:
             ws = ts.processing_on
             assert ws is not None and ts in ws.processing, ts
             assert state.workers.get(ws.address) is ws, ts
-            assert ts.restrictions is None or ws.address in ts.restrictions, ts
+            assert ts.loose_restrictions or state._allowed(ts, ws), ts
         else:
             assert ts.processing_on is None, ts
         if ts.state == "queued":
@@ -58,14 +58,24 @@ def validate_state(state: SchedulerState) -> None:
         assert ts.state == "queued" and state.tasks.get(ts.key) is ts
         # no worker it may run on has room
         for ws in state.workers.values():
-            if ts.restrictions is None or ws.address in ts.restrictions:
+            if state._may_run(ts, ws):
                 assert state._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
     for ws in state.workers.values():
-        assert len(ws.processing) <= ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
+        # seceded (long-running) tasks hold no thread: the bound is on the others
+        assert ws.long_running <= ws.processing, ws
+        assert len(ws.processing) - len(ws.long_running) <= ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
         for ts in ws.processing:
             assert ts.processing_on is ws and ts.state == "processing"
         for ts in ws.has_what:
             assert ws in ts.who_has
         assert ws.nbytes == sum(max(ts.nbytes, 0) for ts in ws.has_what), ws
+        held: dict[str, float] = {}
+        for ts in ws.processing:
+            for name, amount in (ts.resources or {}).items():
+                held[name] = held.get(name, 0) + amount
+        assert held.keys() == ws.used_resources.keys(), ws
+        for name, amount in held.items():
+            assert abs(ws.used_resources[name] - amount) < 1e-6, ws
+            assert amount <= ws.resources.get(name, 0) + 1e-6, f"{ws} holds more {name} than it has"
         # only a check finds a worker overdue, and only when the rule is on
         assert not ws.overdue or (state.worker_ttl > 0 and ws.last_seen is not None), ws

@@ -19,8 +19,11 @@ __all__ = [
     "GatherDepSuccessEvent",
     "GatherDepFailureEvent",
     "UpdateDataEvent",
+    "SecedeEvent",
+    "RejoinEvent",
     "Instruction",
     "Execute",
+    "Rejoin",
     "GatherDep",
     "AttachShm",
     "SendMsg",
@@ -46,11 +49,13 @@ class ComputeTaskEvent(Event):
     shm: dict[Key, Any] = field(default_factory=dict)
     #: a client waits for this value: send it along with task-finished if it is small
     report: bool = False
+    #: abstract resources the task holds while it runs (``{"GPU": 1}``); None: none
+    resources: dict[str, float] | None = None
 
     def logged(self) -> ComputeTaskEvent:
         """This event for the log: without the task's payload."""
         return ComputeTaskEvent(self.stimulus_id, self.key, _dropped(self.payload), self.who_has, self.nbytes,
-                                self.priority, self.shm, self.report)
+                                self.priority, self.shm, self.report, self.resources)
 
 
 @dataclass
@@ -132,6 +137,22 @@ class UpdateDataEvent(Event):
         return UpdateDataEvent(self.stimulus_id, dict.fromkeys(self.data, DROPPED), self.nbytes)
 
 
+@dataclass
+class SecedeEvent(Event):
+    """The running task ``key`` left the thread pool (``shoal.secede()``): its thread
+    no longer counts against ``nthreads`` (it keeps its resources)."""
+
+    key: Key
+
+
+@dataclass
+class RejoinEvent(Event):
+    """The seceded task ``key`` wants a thread slot back (``shoal.rejoin()``); its
+    thread waits for the ``Rejoin`` instruction."""
+
+    key: Key
+
+
 def _dropped(value: Any) -> Any:
     """``value`` as the log keeps it: :data:`~shoal.statelog.DROPPED` unless ``None``
     (which the state machine tells apart from a value, so a replay must see it)."""
@@ -165,6 +186,13 @@ class AttachShm(Instruction):
 
     keys: list[Key]
     infos: list[Any]
+
+
+@dataclass
+class Rejoin(Instruction):
+    """The seceded task ``key`` has a thread slot again: wake its thread."""
+
+    key: Key
 
 
 @dataclass

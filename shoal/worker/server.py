@@ -18,33 +18,23 @@ requests are served from the loop while tasks compute.
 from __future__ import annotations
 
 import asyncio
-import errno
+import inspect
 import itertools
 import logging
 import os
 import socket
 import time
-import traceback
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import (
-    AuthenticationError,
-    CommBrokenError,
-    CommError,
-    HandshakeError,
-    ProtocolError,
-    SerializationError,
-    describe,
-    short_repr,
-)
+from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
 from .. import config
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
-from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, serialize, sizeof, to_serialize
+from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
 from ..protocol.messages import (
     SCHEDULER_TO_WORKER,
@@ -53,11 +43,26 @@ from ..protocol.messages import (
     ComputeTaskMsg,
     FreeKeysMsg,
     Msg,
+    PluginAddMsg,
     SegmentRef,
     decode,
+    resources_problem,
 )
 from ..taskspec import RunSpec, run
+from . import actor, context, upload
+from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
 from .store import WorkerStore
+from .outcomes import (
+    UNSENDABLE,
+    MAX_RETRY_DELAY,
+    exception_for,
+    failure_event,
+    fetch_error,
+    inline_value,
+    may_pass,
+    nbytes_of,
+)
+from .threads import TaskThreads
 from .state import (
     SHM,
     AttachShm,
@@ -70,6 +75,7 @@ from .state import (
     GatherDepFailureEvent,
     GatherDepSuccessEvent,
     Instruction,
+    Rejoin,
     SendMsg,
     UpdateDataEvent,
     WorkerState,
@@ -81,12 +87,20 @@ logger = logging.getLogger("shoal.worker")
 
 
 class Worker:
-    """A worker that joins the scheduler at ``scheduler_address``."""
+    """A worker that joins the scheduler at ``scheduler_address``, with ``nthreads``
+    task threads and the abstract ``resources`` it offers (``{"GPU": 2}``: tasks that
+    ask for them run here, as many at once as the amounts allow). Raises ``ValueError``
+    for fewer than one thread or a malformed ``resources`` (``TypeError`` for one that
+    is not a dict of str -> number)."""
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name: str = "",
-                 listen_address: str | None = None, security: Security | None = None):
+                 listen_address: str | None = None, security: Security | None = None,
+                 resources: dict[str, float] | None = None):
         if nthreads < 1:
             raise ValueError(f"nthreads must be at least 1, got {nthreads}")
+        resources = _checked_resources(resources)
+        #: abstract resources this worker offers
+        self.resources = resources
         self.scheduler_address = scheduler_address
         self.nthreads = nthreads
         self.name = name
@@ -103,13 +117,22 @@ class Worker:
                 "run": self.run_function,
                 "identity": self.identity,
                 "transfer-stats": self.transfer_stats,
+                "actor-execute": partial(actor.actor_execute, self),
+                "actor-attribute": partial(actor.actor_attribute, self),
+                "plugin-add": partial(plugin_add, self),
+                "plugin-remove": partial(plugin_remove, self),
+                "upload-file": upload.upload_file,
             },
             name=f"worker {name}",
             schemas=WORKER_REQUESTS,
         )
         self.state: WorkerState | None = None
-        self.executor = ThreadPoolExecutor(nthreads, thread_name_prefix=f"shoal-task{('-' + name) if name else ''}",
-                                           initializer=self._task_thread_started)
+        self.threads = TaskThreads(nthreads, name=f"shoal-task{('-' + name) if name else ''}",
+                                   initializer=self._task_thread_started)
+        #: WorkerPlugins by name (:meth:`add_plugin`)
+        self.plugins: dict[str, Any] = {}
+        #: what its tasks ask of it: a client, leaving and rejoining the thread pool
+        self.services = context.TaskServices(self)
         self.pool = ConnectionPool(limit=64)
         self.stream: BatchedSend | None = None
         self.scheduler_comm: Comm | None = None
@@ -126,6 +149,9 @@ class Worker:
         self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
         #: the state machine failed (a bug): it gets no more events, the worker closes
         self.broken = False
+        #: the scheduler connection broke without the scheduler telling this worker to
+        #: close (``shoal worker`` then waits for a scheduler at that address again)
+        self.scheduler_lost = False
 
     @property
     def _scheduler_destination(self) -> str:
@@ -153,11 +179,15 @@ class Worker:
         self.store = WorkerStore()
         self.state = WorkerState(self.address, self.nthreads, data=self.store,
                                  queued=config.get("executor-queue"),
-                                 max_peer_failures=max(1, config.get("gather-peer-failures")))
-        await comm.write({
+                                 max_peer_failures=max(1, config.get("gather-peer-failures")),
+                                 resources=self.resources)
+        register: dict[str, Any] = {
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
             "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
-        })
+        }
+        if self.resources:
+            register["resources"] = self.resources
+        await comm.write(register)
         reply = await comm.read()
         if not isinstance(reply, dict) or reply.get("status") != "OK":
             comm.abort()
@@ -219,15 +249,25 @@ class Worker:
                             events.append(ComputeTaskEvent(
                                 msg.stimulus_id or self._stimulus("compute"), msg.key, msg.payload, msg.who_has,
                                 msg.nbytes, tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
+                                msg.resources or None,
                             ))
                         case FreeKeysMsg():
                             events.append(FreeKeysEvent(msg.stimulus_id or self._stimulus("free"), msg.keys))
                         case CloseMsg():
                             if events:
-                                self._apply(*events)
+                                self.handle_stimulus(*events)
                             await self.close(report=False)
                             return
-                if events and not self._apply(*events):
+                        case PluginAddMsg():
+                            # set up before what follows it on the stream (in order)
+                            if events and not self.handle_stimulus(*events):
+                                return
+                            events = []
+                            try:
+                                await self.add_plugin(unwrap_plugin(msg.plugin), msg.name)
+                            except Exception as exc:  # noqa: BLE001 - the plugin does not unpickle here
+                                logger.error("worker plugin %s cannot be set up here: %s", msg.name, describe(exc))
+                if events and not self.handle_stimulus(*events):
                     return  # broken: closing
                 # hold no message (nor a task's payload) while waiting for the next
                 events = raw = msg = None
@@ -237,6 +277,7 @@ class Worker:
             if isinstance(exc, ProtocolError):
                 logger.error("%s; leaving the cluster", exc)
             if self.status == "running":
+                self.scheduler_lost = True
                 logger.warning("lost the scheduler connection; shutting down")
                 if self.use_shm:
                     await self._sweep_after(comm)  # before closing: the process may exit then
@@ -255,7 +296,7 @@ class Worker:
 
     # -- state machine driving
 
-    def _apply(self, *events: Any) -> bool:
+    def handle_stimulus(self, *events: Any) -> bool:
         """Hand ``events`` to the state machine and carry out its instructions; returns
         whether that went through. An exception in either is a bug (the events' input
         was checked when it was decoded): it is reported with the stories of the events'
@@ -264,11 +305,15 @@ class Worker:
         assert state is not None
         if self.broken:
             return False
+        log = state.log.transitions
+        last = log[-1] if self.plugins and log else None
         try:
             instructions = state.handle(*events)
         except Exception as exc:
             self._internal_error(exc, events)
             return False
+        if self.plugins:
+            tell_transitions(self.plugins, log, last)
         for inst in instructions:
             try:
                 self._do(inst)
@@ -297,6 +342,8 @@ class Worker:
     def _do(self, inst: Instruction) -> None:
         if isinstance(inst, Execute):
             self._execute(inst.key)
+        elif isinstance(inst, Rejoin):
+            self.services.rejoined(inst.key)
         elif isinstance(inst, AttachShm):
             self._attach(inst)
         elif isinstance(inst, GatherDep):
@@ -330,6 +377,9 @@ class Worker:
                 return
             segment: shm.Segment | None = None
             event: ExecuteSuccessEvent | ExecuteFailureEvent
+            # get_worker()/get_client() work from here on: in the task, and while its
+            # arguments unpickle (a Future among them binds to this worker's client)
+            context.enter_task(self, key)
             try:
                 try:
                     spec = payload
@@ -341,9 +391,10 @@ class Worker:
                         raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
                     start = time.perf_counter()
                     value = run(spec, deps)
-                    duration = time.perf_counter() - start
+                    # a task that seceded computed until then; the rest it waited
+                    duration = (context.seceded_at() or time.perf_counter()) - start
                 except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-                    event = _failure(self._stimulus(f"task-erred-{key}"), key, exc, destination)
+                    event = failure_event(self._stimulus(f"task-erred-{key}"), key, exc, destination)
                 else:
                     try:
                         nbytes = sizeof(value, strict=True)
@@ -354,14 +405,16 @@ class Worker:
                     placed = self._place(value) if place else None
                     if placed is not None:
                         segment, value = placed
-                    inline = _inline(value, nbytes, destination) if report else None
+                    inline = inline_value(value, nbytes, destination) if report else None
                     event = ExecuteSuccessEvent(self._stimulus(f"task-finished-{key}"), key, value, nbytes, duration,
                                                 None if segment is None else segment.info, inline)
             except BaseException as exc:  # noqa: BLE001 - whatever a result made us raise is its task's
                 if segment is not None:
                     segment.unlink()
                     segment = None
-                event = _failure(self._stimulus(f"task-erred-{key}"), key, exc, destination)
+                event = failure_event(self._stimulus(f"task-erred-{key}"), key, exc, destination)
+            finally:
+                context.leave_task()
             report_back(event, segment)
 
         def report_back(event: Any, segment: shm.Segment | None) -> None:
@@ -371,7 +424,37 @@ class Worker:
                 if segment is not None:
                     segment.unlink()  # the worker's loop is gone
 
-        self.executor.submit(work).add_done_callback(_report_crash)
+        self.threads.submit(work, ts.priority)
+
+    # -- tasks that use the cluster (shoal.worker.context)
+
+    @property
+    def client(self) -> Any:
+        """The client of this worker's tasks (as ``get_client()`` in a task): see
+        :meth:`shoal.worker.context.TaskServices.client`."""
+        return self.services.client()
+
+    def call_soon(self, fn: Any, *args: Any) -> bool:
+        """Run ``fn(*args)`` on the worker's loop, from any thread; returns False if the
+        loop is gone (or not started)."""
+        loop = self.loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    # -- plugins
+
+    async def add_plugin(self, plugin: Any, name: str | None = None, catch_errors: bool = True) -> None:
+        """Add a :class:`~shoal.WorkerPlugin`: see :func:`shoal.worker.plugin.add_plugin`."""
+        await add_plugin(self, plugin, name, catch_errors)
+
+    async def remove_plugin(self, name: str) -> None:
+        """Remove the plugin ``name``: see :func:`shoal.worker.plugin.remove_plugin`."""
+        await remove_plugin(self, name)
 
     async def _gather_dep(self, inst: GatherDep) -> None:
         """Fetch ``inst.keys`` from peer ``inst.worker``. A failure that may pass (out of
@@ -387,19 +470,19 @@ class Worker:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if attempt < attempts and self.status == "running" and _may_pass(exc):
+                if attempt < attempts and self.status == "running" and may_pass(exc):
                     logger.info("fetching %d keys from %s failed (attempt %d of %d; again in %.2fs): %s",
                                 len(inst.keys), inst.worker, attempt, attempts, delay, describe(exc))
                     await asyncio.sleep(delay)
-                    delay = min(2 * delay, _MAX_RETRY_DELAY)
+                    delay = min(2 * delay, MAX_RETRY_DELAY)
                     attempt += 1
                     continue
                 logger.info("fetching %d keys from %s failed (attempt %d of %d): %s",
                             len(inst.keys), inst.worker, attempt, attempts, describe(exc))
                 text = f"could not fetch {short_repr(inst.keys, 200)} from {inst.worker} ({attempt} attempt(s)): {describe(exc)}"
                 destination = self._scheduler_destination
-                self._apply(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
-                                                  exception=_exception_for(_fetch_error(exc, text), destination)))
+                self.handle_stimulus(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
+                                                  exception=exception_for(fetch_error(exc, text), destination)))
                 return
 
     async def _fetch(self, inst: GatherDep) -> None:
@@ -413,18 +496,18 @@ class Worker:
             raise
         finally:
             self.pool.reuse(inst.worker, comm)
-        if isinstance(response, dict) and response.get("type") == _UNSENDABLE:
+        if isinstance(response, dict) and response.get("type") == UNSENDABLE:
             # the peer is fine; its values cannot travel: asking again would not help
             text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
             destination = self._scheduler_destination
-            self._apply(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
-                                              text, _exception_for(SerializationError(text), destination)))
+            self.handle_stimulus(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
+                                              text, exception_for(SerializationError(text), destination)))
             return
         if not isinstance(response, dict) or response.get("status") != "OK":
             raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
         data = response["result"]["data"]
         nbytes = {k: sizeof(v) for k, v in data.items()}
-        self._apply(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
+        self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
 
     # -- rpc handlers
 
@@ -447,7 +530,7 @@ class Worker:
         if segment is not None:
             self.store.expect(event.key, segment)
         try:
-            self._apply(event)
+            self.handle_stimulus(event)
         finally:
             if segment is not None:
                 self.store.unexpect(event.key)  # no-op when the store took the value
@@ -465,7 +548,7 @@ class Worker:
             data[key] = value
             nbytes[key] = sizeof(value)
         self.transfers["shm"] += sum(nbytes.values())
-        self._apply(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
+        self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
 
     def identity(self, comm: Comm | None = None) -> dict[str, Any]:
         return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
@@ -495,7 +578,7 @@ class Worker:
                         self.transfers["shm"] += SegmentRef.parse(ref).length
                     except ValueError:
                         pass  # running the task says what is wrong with it
-        self.transfers["tcp"] += sum(_nbytes_of(f) for f in payload.frames[2:])
+        self.transfers["tcp"] += sum(nbytes_of(f) for f in payload.frames[2:])
 
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         assert self.state is not None
@@ -511,7 +594,7 @@ class Worker:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
         nbytes = {k: sizeof(v) for k, v in values.items()}
         self._count(comm, sum(nbytes.values()), values.values())
-        if not self._apply(UpdateDataEvent(self._stimulus("update-data"), values, nbytes)):
+        if not self.handle_stimulus(UpdateDataEvent(self._stimulus("update-data"), values, nbytes)):
             raise RuntimeError(f"worker {self.address} met an internal error and is closing; "
                                f"{short_repr(list(values), 200)} not stored")
         reply: dict[str, Any] = {"nbytes": nbytes}
@@ -525,9 +608,13 @@ class Worker:
         return reply
 
     async def run_function(self, comm: Comm, function: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if isinstance(function, Serialize):
-            function = function.data
-        result = function(*(args or ()), **(kwargs or {}))
+        """``Client.run``: call ``function`` here (on the loop); a function with a
+        ``dask_worker`` parameter gets this worker in it, as in dask.distributed."""
+        function, args, kwargs = (v.data if isinstance(v, Serialize) else v for v in (function, args, kwargs))
+        kwargs = dict(kwargs or {})
+        if "dask_worker" not in kwargs and _takes_dask_worker(function):
+            kwargs["dask_worker"] = self
+        result = function(*(args or ()), **kwargs)
         if asyncio.iscoroutine(result):
             result = await result
         return to_serialize(result)
@@ -535,9 +622,17 @@ class Worker:
     # -- closing
 
     async def close(self, report: bool = True) -> None:
+        """Close the worker (``report``: tell the scheduler first); returns once it is
+        closed, also when it was closing already."""
         if self.status in ("closing", "closed"):
+            if self._stopped is not None:
+                await asyncio.shield(self._stopped)
             return
         self.status = "closing"
+        await self.services.aclose()
+        for plugin in list(self.plugins.values()):
+            await call_hook(plugin, "teardown", self)
+        self.plugins.clear()
         if self.stream is not None:
             if report:
                 try:
@@ -550,7 +645,8 @@ class Worker:
         for task in list(self._tasks):
             if task is not asyncio.current_task():
                 task.cancel()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown()
+        self.services.wake_all()
         self.store.clear()
         self.status = "closed"
         if self._stopped is not None and not self._stopped.done():
@@ -562,88 +658,24 @@ class Worker:
         await asyncio.shield(self._stopped)
 
 
-#: results up to this size travel to the scheduler (and on to the waiting client) with
-#: the task-finished report: no second round trip to fetch them
-INLINE_MAX_BYTES = 1024
-
-
-def _inline(value: Any, nbytes: int, destination: str) -> Any:
-    if destination == SAME_PROCESS:
-        return to_serialize(value)  # by reference: costs nothing, whatever its size
-    if nbytes > 16 * INLINE_MAX_BYTES:  # a rough estimate: do not even try to pickle it
-        return None
+def _takes_dask_worker(function: Any) -> bool:
     try:
-        s = serialize(value, destination)
-    except Exception:
-        return None  # the client will ask for it, and get the error then
-    return s if s.nbytes <= 4 * INLINE_MAX_BYTES else None
-
-
-def _report_crash(fut: Any) -> None:
-    exc = fut.exception()
-    if exc is not None:
-        logger.error("a task thread failed outside the task itself", exc_info=exc)
-
-
-def _failure(stimulus_id: str, key: Any, exc: BaseException, destination: str) -> ExecuteFailureEvent:
-    """The event of a task that raised ``exc`` (its function, or anything shoal did
-    with its result): the exception as it can travel, its traceback and text, made
-    whatever the exception's ``__str__`` or ``__reduce__`` do."""
-    try:
-        tb = "".join(traceback.format_exception(exc))
-    except BaseException:  # noqa: BLE001 - formatting calls the exception's methods
-        tb = ""
-    return ExecuteFailureEvent(stimulus_id, key, _exception_for(exc, destination), tb, describe(exc))
-
-
-def _exception_for(exc: BaseException, destination: str) -> Any:
-    """The exception as it can travel to the client: the object in-process, else
-    serialized now (so an unpicklable exception does not break the stream); ``None``
-    when it cannot be (the client rebuilds it from its type name and text)."""
-    if destination == SAME_PROCESS:
-        return to_serialize(exc)
-    try:
-        return serialize(exc, destination)
-    except Exception:
-        return None
-
-
-#: the longest pause between two attempts of one fetch
-_MAX_RETRY_DELAY = 2.0
-#: errnos of a process out of resources: the operation that hit one may work later
-_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-
-
-def _may_pass(exc: BaseException) -> bool:
-    """Whether a fetch that failed with ``exc`` may work if tried again soon: this
-    process (or the peer, which then drops the connection during its handshake) ran out
-    of descriptors or memory. A refusal, a timeout (connecting waited already), a peer
-    that broke off a request or a bad answer are not tried again."""
-    if isinstance(exc, AuthenticationError):
+        return "dask_worker" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature (some builtins)
         return False
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _OUT_OF_RESOURCES):
-            return True
-        e = e.__cause__ or e.__context__
-    return isinstance(exc, HandshakeError) and isinstance(exc.__cause__, (CommBrokenError, ConnectionError))
 
 
-def _fetch_error(exc: BaseException, text: str) -> CommError:
-    """The error the tasks that needed a fetched value see if this worker gives up on
-    the fetch: of the fetch's own type (a :class:`CommError`), saying what was fetched."""
-    cls = type(exc) if isinstance(exc, CommError) else CommError
-    try:
-        return cls(text)
-    except Exception:  # a subclass with another signature
-        return CommError(text)
-
-
-#: the error type of a get-data answer whose values could not be serialized
-_UNSENDABLE = f"{SerializationError.__module__}.{SerializationError.__qualname__}"
-
-
-def _nbytes_of(frame: Any) -> int:
-    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+def _checked_resources(resources: Any) -> dict[str, float]:
+    """``resources`` as ``{name: amount}``; ``TypeError``/``ValueError`` for anything else."""
+    if resources is None:
+        return {}
+    if not isinstance(resources, dict):
+        raise TypeError(f"resources must be a dict of name -> amount, e.g. {{'GPU': 2}}, got {resources!r:.100}")
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise TypeError(f"resources: expected str -> number, got {name!r:.60} -> {amount!r:.60}")
+    checked = {name: float(amount) for name, amount in resources.items()}
+    problem = resources_problem(checked)
+    if problem is not None:
+        raise ValueError(f"resources: {problem}")
+    return checked

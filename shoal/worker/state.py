@@ -24,8 +24,8 @@ and forgotten: the worker keeps no ``error`` state. A key whose value will not c
 from where it was expected (its computation failed or was freed, its holder did not
 have it) goes back to ``fetch`` if a local task needs it and another holder has it.
 
-Transitions are data: ``_TRANSITIONS`` lists, for each state, the states it may go to,
-and :meth:`WorkerState._set_state` is the one place a key's state changes. An illegal
+Transitions are data: ``TRANSITIONS`` (:mod:`shoal.worker.model`) lists, for each
+state, the states it may go to, and :meth:`WorkerState._set_state` is the one place a key's state changes. An illegal
 pair raises :class:`~shoal.statelog.InvalidTransition` and changes nothing; every legal
 one is kept in ``log`` (a :class:`~shoal.statelog.StateLog`) with the stimulus that
 caused it, next to the events handled (less their values), so that ``story(key)``
@@ -50,6 +50,17 @@ next at once, with no round trip through the event loop. Fetches go
 to one peer at a time per peer, batched: every input wanted from that peer goes in one
 request, up to ``gather_bytes``.
 
+A task that asks for abstract resources (``{"GPU": 1}``, of those the worker was
+started with) waits in ``ready`` until they are free, then holds them until its thread
+reports (done, erred, or cancelled and returned), also while it waits in the thread
+pool. Such tasks start in their order of priority; tasks that need none pass them.
+
+A running task may leave the thread pool (``secede()``, e.g. to wait for tasks it
+submitted): it gives up its slot (not its resources), so another task runs in its
+place, and the scheduler hears that it is ``long-running``. ``rejoin()`` asks for a
+slot again: the task gets the first one free (no new task starts before it) and its
+thread waits until then (the ``Rejoin`` instruction).
+
 A task whose thread is running keeps its record until the thread reports, so one key
 never runs twice at once. Fetched copies are the worker's own business: it drops them
 once no local task needs them. Values it computed (or received by scatter) are dropped
@@ -60,9 +71,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition, StateLog, Transition
@@ -79,46 +89,16 @@ from .events import (
     GatherDepFailureEvent,
     GatherDepSuccessEvent,
     Instruction,
+    Rejoin,
+    RejoinEvent,
+    SecedeEvent,
     SendMsg,
     UpdateDataEvent,
 )
+from .model import SHM, TRANSITIONS, WState, WTask
+from .validation import validate_state
 
 __all__ = ["WorkerState", "WTask", "WState", "SHM", *_events.__all__]
-
-#: the pseudo-peer that stands for "map it from shared memory" in fetch bookkeeping
-SHM = "shm://"
-
-#: a key's state on a worker (see the theory of operation above, and ``_TRANSITIONS``)
-WState = Literal["released", "waiting", "ready", "executing", "cancelled", "fetch", "flight", "memory"]
-
-
-@dataclass(eq=False)
-class WTask:
-    key: Key
-    #: written by :meth:`WorkerState._set_state` only
-    state: WState = "released"
-    payload: Any = None
-    #: a client waits for the value (the scheduler said so): small ones travel inline
-    report: bool = False
-    priority: tuple[int, ...] = (0,)
-    #: "compute" (the scheduler's), "fetched" (a local copy), "scattered"
-    origin: str = "fetched"
-    dependencies: set[WTask] = field(default_factory=set)
-    dependents: set[WTask] = field(default_factory=set)
-    waiting_for_data: set[WTask] = field(default_factory=set)
-    who_has: set[str] = field(default_factory=set)
-    nbytes: int = 0
-    coming_from: str | None = None
-    #: where the value lies in shared memory, if its owner placed it there
-    shm: Any = None
-    #: order of creation: breaks ties of priority, so runs do not depend on set order
-    seq: int = 0
-
-    def __repr__(self) -> str:
-        return f"<WTask {self.key!r} {self.state}>"
-
-    def __lt__(self, other: WTask) -> bool:
-        return (self.priority, self.seq) < (other.priority, other.seq)
 
 
 # -------------------------------------------------------------------------- the state
@@ -135,6 +115,7 @@ class WorkerState:
         log_size: int = 10_000,
         queued: int = 0,
         max_peer_failures: int = 3,
+        resources: Mapping[str, float] | None = None,
     ):
         if nthreads < 1:
             raise ValueError(f"a worker needs at least one thread, got {nthreads}")
@@ -148,8 +129,20 @@ class WorkerState:
         self.slots = nthreads + queued
         self.data: MutableMapping[Key, Any] = {} if data is None else data
         self.tasks: dict[Key, WTask] = {}
+        #: ready tasks that need no resources, and those that do: heaps by priority
         self.ready: list[WTask] = []
+        self.constrained: list[WTask] = []
+        #: tasks that hold a slot (running, or waiting in the thread pool)
         self.executing: set[WTask] = set()
+        #: tasks whose thread runs without a slot (``secede()``), and those of them
+        #: waiting for one again (``rejoin()``), first come first served
+        self.seceded: set[WTask] = set()
+        self.rejoining: list[WTask] = []
+        #: abstract resources this worker offers, what of them is free, and what each
+        #: task whose thread has not reported yet holds
+        self.total_resources: dict[str, float] = {k: float(v) for k, v in (resources or {}).items()}
+        self.available_resources: dict[str, float] = dict(self.total_resources)
+        self.holding: dict[WTask, dict[str, float]] = {}
         self.fetching: set[WTask] = set()  # state "fetch"
         self.in_flight_workers: dict[str, set[WTask]] = {}
         self.gather_bytes = gather_bytes
@@ -170,6 +163,8 @@ class WorkerState:
             GatherDepSuccessEvent: self._gather_success,
             GatherDepFailureEvent: self._gather_failure,
             UpdateDataEvent: self._update_data,
+            SecedeEvent: self._secede,
+            RejoinEvent: self._rejoin,
         }
 
     def handle(self, *events: Event) -> list[Instruction]:
@@ -194,10 +189,10 @@ class WorkerState:
 
     def _set_state(self, ts: WTask, finish: WState) -> None:
         """The one place a key's state changes: ``finish`` must be in
-        ``_TRANSITIONS[ts.state]`` (else :class:`~shoal.statelog.InvalidTransition`, and
+        ``TRANSITIONS[ts.state]`` (else :class:`~shoal.statelog.InvalidTransition`, and
         nothing changes); the change is logged with the current stimulus."""
         start = ts.state
-        if finish not in _TRANSITIONS[start]:
+        if finish not in TRANSITIONS[start]:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
         self.log.transitions.append((ts.key, start, finish, self._stimulus))
@@ -214,6 +209,8 @@ class WorkerState:
             if ts.state == "cancelled":
                 self._set_state(ts, "executing")  # still running: report it this time
                 ts.origin = "compute"
+                if ts in self.seceded:
+                    self._send({"op": "long-running", "key": ts.key})  # as when it seceded
                 return
             if ts.state in ("waiting", "ready", "executing"):
                 return  # already on it
@@ -227,6 +224,13 @@ class WorkerState:
                     self._send({"op": "missing-data", "key": k, "errant_worker": self.address})
             self._send({"op": "reschedule", "key": ev.key})
             return
+        short = {r: a for r, a in (ev.resources or {}).items() if a > self.total_resources.get(r, 0.0)}
+        if short:
+            # it would wait here forever (a scheduler that does not place by resources)
+            self._send({"op": "task-erred", "key": ev.key, "exception": None, "traceback": "",
+                        "text": f"ValueError: task {ev.key!r:.100} needs resources {short}, more than worker "
+                                f"{self.address} has ({self.total_resources or 'none'})"})
+            return
         if ts is None:
             ts = self.tasks[ev.key] = WTask(ev.key, seq=next(self._seq))
         else:
@@ -236,6 +240,8 @@ class WorkerState:
         ts.payload = ev.payload
         ts.report = ev.report
         ts.priority = tuple(ev.priority)
+        # an amount of 0 is no need (nor a resource this worker must offer)
+        ts.resources = {r: a for r, a in (ev.resources or {}).items() if a > 0} or None
         ts.waiting_for_data = set()
         for dep_key, holders in ev.who_has.items():
             if dep_key == ev.key:
@@ -285,9 +291,13 @@ class WorkerState:
         """The task whose thread reported, with its thread freed; ``None`` when the
         report is moot (unknown key, or a scattered value arrived meanwhile)."""
         ts = self.tasks.get(key)
-        if ts is None or ts not in self.executing:
+        if ts is None or (ts not in self.executing and ts not in self.seceded):
             return None
         self.executing.discard(ts)
+        self.seceded.discard(ts)
+        held = self.holding.pop(ts, None)
+        if held:
+            self._give_back(held)
         if ts.state == "memory":
             return None  # a scattered value arrived meanwhile: keep that one
         return ts
@@ -422,7 +432,7 @@ class WorkerState:
 
     def _make_ready(self, ts: WTask) -> None:
         self._set_state(ts, "ready")
-        heapq.heappush(self.ready, ts)
+        heapq.heappush(self.constrained if ts.resources else self.ready, ts)
 
     def _needed(self, ts: WTask) -> bool:
         """Whether a local task still waits for ``ts``'s value, or is about to run with it."""
@@ -499,7 +509,7 @@ class WorkerState:
         keeps its record (``cancelled``) until the thread reports.
         """
         self.data.pop(ts.key, None)
-        if ts in self.executing:
+        if ts in self.executing or ts in self.seceded:
             if ts.state != "cancelled":
                 self._set_state(ts, "cancelled")
             ts.origin = "fetched"
@@ -524,13 +534,98 @@ class WorkerState:
         ts.waiting_for_data.clear()
 
     def _ensure_computing(self) -> None:
-        while self.ready and len(self.executing) < self.slots:
-            ts = heapq.heappop(self.ready)
-            if ts.state != "ready" or self.tasks.get(ts.key) is not ts:
-                continue  # released while queued
+        # a seceded task that asks for a thread back gets the first one free; no new
+        # task takes a thread before it (else a busy worker would starve it)
+        while self.rejoining and len(self.executing) < self.nthreads:
+            back = self.rejoining.pop(0)
+            self.seceded.discard(back)
+            self.executing.add(back)
+            self._out.append(Rejoin(self._stimulus, back.key))
+        if self.rejoining:
+            return
+        while len(self.executing) < self.slots:
+            ts = self._next_ready()
+            if ts is None:
+                break
+            if ts.resources:
+                self._take(ts)
             self._set_state(ts, "executing")
             self.executing.add(ts)
             self._out.append(Execute(self._stimulus, ts.key))
+        if self.slots > self.nthreads:
+            self._overtake()
+
+    def _overtake(self) -> None:
+        """A ready task more urgent than one handed to the thread pool ahead (which may
+        not have started) goes to the pool too: the pool takes work by priority, so it
+        starts first. At most ``slots`` tasks more."""
+        ready = self.ready
+        while ready and len(self.executing) < 2 * self.slots:
+            while ready and not self._live(ready[0], False):
+                heapq.heappop(ready)
+            if not ready or not ready[0] < max(self.executing):
+                return
+            ts = heapq.heappop(ready)
+            self._set_state(ts, "executing")
+            self.executing.add(ts)
+            self._out.append(Execute(self._stimulus, ts.key))
+
+    def _next_ready(self) -> WTask | None:
+        """Pop the ready task to run next: the first by priority of those that need no
+        resources and of the first that needs some, if they are free. Tasks that need
+        resources start in their order: one that waits for them holds back the others
+        that need some (so a large request is not starved by small ones)."""
+        ready, constrained = self.ready, self.constrained
+        while ready and not self._live(ready[0], False):
+            heapq.heappop(ready)  # released (or computed again) while it waited
+        while constrained and not self._live(constrained[0], True):
+            heapq.heappop(constrained)
+        if constrained and self.fits(constrained[0]) and (not ready or constrained[0] < ready[0]):
+            return heapq.heappop(constrained)
+        return heapq.heappop(ready) if ready else None
+
+    def _live(self, ts: WTask, constrained: bool) -> bool:
+        """Whether a heap entry still stands for a ready task (of that heap)."""
+        return ts.state == "ready" and self.tasks.get(ts.key) is ts and bool(ts.resources) == constrained
+
+    def fits(self, ts: WTask) -> bool:
+        """Whether the resources ``ts`` needs are free now."""
+        available = self.available_resources
+        return all(amount <= available.get(name, 0.0) for name, amount in (ts.resources or {}).items())
+
+    def _take(self, ts: WTask) -> None:
+        assert ts.resources is not None
+        held = self.holding[ts] = dict(ts.resources)
+        for name, amount in held.items():
+            self.available_resources[name] -= amount
+
+    def _give_back(self, held: dict[str, float]) -> None:
+        available = self.available_resources
+        if not self.holding:
+            # nobody holds any: exactly the total (no rounding left over from sums)
+            available.update(self.total_resources)
+            return
+        for name, amount in held.items():
+            available[name] = min(available[name] + amount, self.total_resources[name])
+
+    def _secede(self, ev: SecedeEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts not in self.executing:
+            return  # seceded already, or its thread reported (the server checks)
+        self.executing.discard(ts)
+        self.seceded.add(ts)
+        if ts.state == "executing":
+            # the scheduler no longer counts it against this worker's threads either
+            self._send({"op": "long-running", "key": ts.key})
+
+    def _rejoin(self, ev: RejoinEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        if ts is None or ts not in self.seceded:
+            # nothing to wait for (a bug of the caller's): wake its thread at once
+            self._out.append(Rejoin(self._stimulus, ev.key))
+            return
+        if ts not in self.rejoining:
+            self.rejoining.append(ts)
 
     def _ensure_communicating(self) -> None:
         if not self.fetching:
@@ -577,60 +672,7 @@ class WorkerState:
 
     def validate(self) -> None:
         """Check every invariant; raise ``AssertionError`` on the first broken one."""
-        for key, ts in self.tasks.items():
-            assert ts.key == key
-            assert ts.state in _STATES, ts
-            assert (ts.state == "memory") == (key in self.data), ts
-            assert self.address not in ts.who_has, ts
-            if ts.state == "waiting":
-                assert ts.waiting_for_data, ts
-                assert ts.waiting_for_data <= ts.dependencies, ts
-                for dep in ts.waiting_for_data:
-                    assert dep.state in ("fetch", "flight", "waiting", "ready", "executing", "cancelled"), (ts, dep)
-            else:
-                assert not ts.waiting_for_data, ts
-            if ts.state in ("waiting", "ready", "executing"):
-                assert ts.origin == "compute", ts
-            if ts.state == "ready":
-                assert ts in self.ready, ts
-                assert all(d.state == "memory" for d in ts.dependencies), ts
-            if ts.state in ("fetch", "flight"):
-                assert ts.origin == "fetched" and not ts.dependencies, ts
-                assert any(ts in d.waiting_for_data for d in ts.dependents), f"{ts} fetched for nobody"
-            if ts.state == "fetch":
-                assert ts in self.fetching and (ts.who_has or ts.shm is not None), ts
-            if ts.state == "flight":
-                assert ts.coming_from is not None and ts in self.in_flight_workers[ts.coming_from], ts
-            else:
-                assert ts.coming_from is None, ts
-            if ts.state in ("executing", "cancelled"):
-                assert ts in self.executing, ts
-            if ts.state == "cancelled":
-                assert ts.origin == "fetched", ts
-            elif ts.origin == "fetched":
-                assert ts.dependents, f"{ts}: a fetched copy nobody needs"
-            for dep in ts.dependencies:
-                assert ts in dep.dependents, (ts, dep)
-                assert self.tasks.get(dep.key) is dep, (ts, dep)
-            for dts in ts.dependents:
-                assert ts in dts.dependencies, (ts, dts)
-                assert self.tasks.get(dts.key) is dts, (ts, dts)
-                assert dts.state in ("waiting", "ready", "executing", "cancelled"), (ts, dts)
-        assert set(self.data) <= set(self.tasks)
-        assert len(self.executing) <= self.slots
-        for ts in self.executing:
-            assert self.tasks.get(ts.key) is ts and ts.state in ("executing", "cancelled", "memory"), ts
-        if any(ts.state == "ready" and self.tasks.get(ts.key) is ts for ts in self.ready):
-            assert len(self.executing) == self.slots, "a thread is idle while tasks are ready"
-        for ts in self.fetching:
-            assert ts.state == "fetch" and self.tasks.get(ts.key) is ts
-        assert len(self.in_flight_workers) <= self.max_gathers
-        for peer, flight in self.in_flight_workers.items():
-            for ts in flight:
-                assert ts.state == "flight" and ts.coming_from == peer and self.tasks.get(ts.key) is ts
-        if len(self.in_flight_workers) < self.max_gathers:
-            for ts in self.fetching:
-                assert ts.who_has <= self.in_flight_workers.keys(), f"{ts} could be fetched now"
+        validate_state(self)
 
 
 def _dependents_first(tasks: set[WTask]) -> list[WTask]:
@@ -659,33 +701,3 @@ def _dependents_first(tasks: set[WTask]) -> list[WTask]:
 #: peers whose failures are counted at most (peers that left are never heard of again)
 _MAX_FAILING_PEERS = 1024
 
-#: the states a key rests in between two calls of ``handle()`` (``released`` is passed through)
-_STATES = frozenset(get_args(WState)) - {"released"}
-
-#: the legal changes of a key's state: start -> the states it may go to. Every other
-#: pair (a self-transition too) is a bug: ``_set_state`` raises ``InvalidTransition``.
-_TRANSITIONS: dict[WState, frozenset[WState]] = {
-    # a new record: an input to fetch, a task to compute (inputs missing, or all here),
-    # a value scattered here
-    "released": frozenset({"fetch", "waiting", "ready", "memory"}),
-    # asked of a peer (or to be mapped from shared memory); dropped: computed or
-    # scattered here instead, no longer needed, or no holder left
-    "fetch": frozenset({"flight", "released"}),
-    # arrived; missing there or unreachable (the next holder, or a segment that did not
-    # map: ask its holders); dropped: as for fetch, or it cannot travel
-    "flight": frozenset({"memory", "fetch", "released"}),
-    # inputs all here; freed but needed by a local task and held elsewhere; freed, given
-    # back (an input cannot be had) or erred (an input cannot travel)
-    "waiting": frozenset({"ready", "fetch", "released"}),
-    # given a thread; freed: as for waiting
-    "ready": frozenset({"executing", "fetch", "released"}),
-    # done; freed while its thread runs; failed but needed by a local task and held
-    # elsewhere; failed (reported)
-    "executing": frozenset({"memory", "cancelled", "fetch", "released"}),
-    # computed again while its thread runs; done and needed by a local task (or its
-    # value scattered here meanwhile); failed but needed and held elsewhere; done or
-    # failed, and not needed
-    "cancelled": frozenset({"executing", "memory", "fetch", "released"}),
-    # freed while a thread still computes it (its value was scattered meanwhile); freed
-    "memory": frozenset({"cancelled", "released"}),
-}

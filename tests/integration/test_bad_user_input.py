@@ -134,7 +134,31 @@ UNPICKLABLE_ARGUMENTS = {
 
 
 @pytest.mark.parametrize("case", list(UNPICKLABLE_ARGUMENTS))
-def test_an_argument_that_cannot_be_pickled_fails_its_task_only(client: shoal.Client, kind: str, case: str) -> None:
+def test_an_argument_that_cannot_be_pickled_fails_at_submit(client: shoal.Client, kind: str, case: str) -> None:
+    make_arg, typename = UNPICKLABLE_ARGUMENTS[case]
+    arg = make_arg()
+    try:
+        if kind == "threads":
+            assert client.submit(identity, arg, pure=False).result(timeout=30) is arg  # never pickled
+        else:
+            with pytest.raises(shoal.SerializationError) as info:
+                client.submit(identity, arg, pure=False)
+            assert typename in str(info.value) and "args[0]" in str(info.value)
+            assert isinstance(info.value, TypeError)
+            with pytest.raises(shoal.SerializationError, match=r"kwargs\['handle'\]"):
+                client.submit(identity, 1, handle=arg, pure=False)
+        _still_serves(client)
+    finally:
+        if isinstance(arg, socket.socket):
+            arg.close()
+
+
+@pytest.mark.parametrize("case", list(UNPICKLABLE_ARGUMENTS))
+def test_an_argument_that_cannot_be_pickled_on_its_way_fails_its_task_only(
+        client: shoal.Client, kind: str, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What gets past submit (a client that does not know its tasks will be pickled)
+    fails on the hop that cannot carry it: that task only."""
+    monkeypatch.setattr(client, "_pickles_tasks", False)
     make_arg, typename = UNPICKLABLE_ARGUMENTS[case]
     arg = make_arg()
     try:
@@ -157,8 +181,10 @@ def test_an_argument_that_cannot_be_pickled_fails_its_task_only(client: shoal.Cl
             arg.close()
 
 
-def test_many_tasks_in_one_graph_with_one_bad_argument(client: shoal.Client, kind: str) -> None:
+def test_many_tasks_in_one_graph_with_one_bad_argument(client: shoal.Client, kind: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """map() sends its tasks in one message: the bad one errs, the others run."""
+    monkeypatch.setattr(client, "_pickles_tasks", False)
     lock = threading.Lock()
     futures = client.map(identity, [1, 2, lock, 4], pure=False)
     assert [f.result(timeout=30) for f in (futures[0], futures[1], futures[3])] == [1, 2, 4]
@@ -247,12 +273,18 @@ def test_a_function_that_cannot_be_pickled_fails_its_task_only(client: shoal.Cli
         def __call__(self) -> int:
             return 7
 
-    future = client.submit(Call(), pure=False)
     if kind == "threads":
-        assert future.result(timeout=30) == 7
+        assert client.submit(Call(), pure=False).result(timeout=30) == 7
     else:
-        with pytest.raises(shoal.SerializationError, match="lock"):
-            future.result(timeout=30)
+        with pytest.raises(shoal.SerializationError, match="function.*lock"):
+            client.submit(Call(), pure=False)  # refused at submit
+        client._pickles_tasks = False  # past submit, it fails its task on the way
+        try:
+            future = client.submit(Call(), pure=False)
+            with pytest.raises(shoal.SerializationError, match="lock"):
+                future.result(timeout=30)
+        finally:
+            client._pickles_tasks = True
     _still_serves(client)
 
 

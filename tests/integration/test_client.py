@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import traceback
 
 import numpy as np
 import pytest
@@ -69,7 +70,8 @@ def test_exception_has_type_and_remote_traceback_and_worker_survives(client):
     assert "fail" in notes and "traceback on the worker" in notes
     assert f.status == "error"
     assert isinstance(f.exception(), ZeroDivisionError)
-    assert "ZeroDivisionError" in f.traceback()
+    # a traceback object, as dask's: its frames end in the function that raised
+    assert "in fail" in "".join(traceback.format_tb(f.traceback()))
     # dependents fail with the same error, and the cluster keeps serving
     g = client.submit(inc, f)
     with pytest.raises(ZeroDivisionError):

@@ -410,12 +410,35 @@ REQUEST_OPS = {
     "ncores": ("x", {}),
     "counters": ("x", {}),
     "retire-all": ("x", {}),  # the extra field makes it a bad call: it never runs
+    # coordination (waiting ops with timeout 0: they answer at once)
+    "variable-set": ("data", {"name": "canary"}),
+    "variable-get": ("x", {"name": "canary-unset", "timeout": 0}),
+    "variable-delete": ("x", {"name": "c"}),
+    "queue-put": ("data", {"name": "canary"}),
+    "queue-get": ("x", {"name": "e", "timeout": 0}),
+    "queue-size": ("x", {"name": "c"}),
+    "semaphore-acquire": ("x", {"name": "c", "max_leases": 1, "lease": "l", "timeout": 0}),
+    "semaphore-release": ("x", {"name": "c", "lease": "l"}),
+    "semaphore-value": ("x", {"name": "c"}),
+    "event-wait": ("x", {"name": "c", "timeout": 0}),
+    "event-set": ("x", {"name": "c"}),
+    "event-clear": ("x", {"name": "c"}),
+    "event-is-set": ("x", {"name": "c"}),
+    "pubsub-get": ("x", {"name": "c", "sub": "s", "timeout": 0}),
+    "publish-put": ("data", {"names": ["c"], "keys": [[]]}),
+    "publish-get": ("x", {"names": ["c"]}),
+    "publish-delete": ("x", {"names": ["c"]}),
+    "publish-list": ("x", {}),
+    # worker plugins: kept opaque for the workers that join later
+    "register-worker-plugin": ("plugin", {"name": "canary"}),
+    "unregister-worker-plugin": ("x", {"name": "canary"}),
 }
 WORKER_STREAM = {
     "task-finished": ("value", {"key": "canary-unknown"}),
     "task-erred": ("exception", {"key": "canary-unknown", "traceback": "", "text": ""}),
     "missing-data": ("errant_worker", {"key": "canary-unknown"}),
     "reschedule": ("key", {}),
+    "long-running": ("key", {}),
     "heartbeat": ("x", {}),
     "unregister": ("x", {}),
 }
@@ -425,6 +448,11 @@ CLIENT_STREAM = {
     "cancel-keys": ("keys", {}),
     "heartbeat": ("x", {}),
     "close-client": ("x", {}),
+    "fire-and-forget": ("keys", {}),
+    "coordination-flush": ("x", {"uid": "u"}),
+    "pubsub-subscribe": ("x", {"name": "c", "sub": "s"}),
+    "pubsub-unsubscribe": ("x", {"sub": "s"}),
+    "pubsub-publish": ("data", {"name": "c"}),
 }
 #: (family, header) of a canary entry; each goes opaque and transparent
 CANARY_KINDS = [("pickle", {}), ("bytes", {"kind": "pickle"})]
@@ -493,7 +521,7 @@ def _send_canary(c: Cluster, where: str, op: str, position: str, entry: Oob) -> 
         msg = {"op": op, **rest, **fields}
         if op == "update-graph":
             msg = {"op": op, "tasks": [{"key": f"canary-task-{n}", **fields}], "wanted": []}
-        if op in ("release-keys", "cancel-keys") and position == "value":
+        if op in ("release-keys", "cancel-keys", "fire-and-forget") and position == "value":
             msg["keys"] = [entry]
         ends = op in ("unregister", "close-client")
         if send(sock, frame_bytes(encode([msg], unreferenced))):

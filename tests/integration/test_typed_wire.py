@@ -62,7 +62,7 @@ def test_a_malformed_request_is_answered_and_the_connection_serves_on(scheduler)
         bad = _call(sock, {"op": "update-data", "reply": True, "who_has": {"k": "tcp://x"}, "nbytes": {}})
         assert bad["status"] == "error" and "who_has" in bad["message"]
         good = _call(sock, {"op": "who-has", "reply": True, "keys": ["nothing"]})
-        assert good == {"status": "OK", "result": {}}
+        assert good == {"status": "OK", "result": {"nothing": []}}  # an unknown key has no holders
 
 
 def test_a_worker_that_sends_a_malformed_op_is_cut_off_and_removed(scheduler):

@@ -44,8 +44,8 @@ def test_an_internal_error_closes_the_worker_and_its_task_is_computed_elsewhere(
             assert x.result(timeout=30) == 2, "computed again, on the other worker"
             assert c.submit(inc, x, key="after").result(timeout=30) == 3
             (address,) = broke
-            (worker,) = [w for w in cluster.workers if w.address == address]
-            (other,) = [w for w in cluster.workers if w.address != address]
+            (worker,) = [w for w in cluster.workers.values() if w.address == address]
+            (other,) = [w for w in cluster.workers.values() if w.address != address]
             wait_for(lambda: worker.status == "closed", 10, "the broken worker to close")
             assert worker.broken
             assert address not in cluster.worker_addresses, "the scheduler saw it leave"

@@ -40,7 +40,7 @@ def test_stimulus_ids_travel_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Scheduler, "_send_worker", send)
     monkeypatch.setattr(Scheduler, "_worker_msg", received)
     with shoal.LocalCluster(n_workers=1, processes=False) as cluster, shoal.Client(cluster) as c:
-        (worker,) = cluster.workers
+        (worker,) = cluster.workers.values()
         state = worker.state
         assert state is not None
         f = c.submit(inc, 1, key="k")

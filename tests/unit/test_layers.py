@@ -18,7 +18,8 @@ LAYERS = {
     "shoal.taskspec": {"shoal.protocol"},
     "shoal.scheduler.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.scheduler"},
     "shoal.worker.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.worker"},
-    "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec"},
+    # the client stands on the servers: actor refs and task context (worker), plugins (scheduler)
+    "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.scheduler", "shoal.worker"},
 }
 ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing", "shoal.statelog"}
 
@@ -55,6 +56,24 @@ def test_public_api_is_pinned():
         "Serialize", "Serialized", "deserialize", "dumps_function", "loads_function",
         "register_serializer", "serialize", "to_serialize",
         "Security", "AuthenticationError",
+        # the dask.distributed names (issue 12)
+        "progress", "get_client", "default_client", "fire_and_forget", "futures_of",
+        "get_worker", "secede", "rejoin", "worker_client",
+        "Variable", "Queue", "Lock", "Event", "Semaphore", "Pub", "Sub",
+        "WorkerPlugin", "SchedulerPlugin", "Actor", "ActorFuture", "BaseActorFuture",
     ])
     for name in shoal.__all__:
         assert getattr(shoal, name) is not None
+
+
+def test_a_dask_users_first_cell_imports():
+    """The imports of dask.distributed's docs and example notebooks, from shoal."""
+    from shoal import (  # noqa: F401
+        Actor, CancelledError, Client, Event, Future, KilledWorker, LocalCluster, Lock, Pub, Queue,
+        SchedulerPlugin, Semaphore, Sub, Variable, WorkerPlugin, as_completed, default_client,
+        fire_and_forget, futures_of, get_client, get_worker, progress, rejoin, secede, wait, worker_client,
+    )
+    import concurrent.futures
+
+    assert issubclass(CancelledError, concurrent.futures.CancelledError)
+    assert issubclass(shoal.SerializationError, TypeError)

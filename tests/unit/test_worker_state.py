@@ -26,6 +26,9 @@ from shoal.worker.state import (
     GatherDep,
     GatherDepFailureEvent,
     GatherDepSuccessEvent,
+    Rejoin,
+    RejoinEvent,
+    SecedeEvent,
     SendMsg,
     UpdateDataEvent,
     WorkerState,
@@ -56,13 +59,20 @@ class Wk:
         return out
 
     def compute_event(self, key: Any, deps: dict[Any, list[str]] | None = None, nbytes: dict[Any, int] | None = None,
-                      priority: tuple[int, ...] = (0,)) -> ComputeTaskEvent:
+                      priority: tuple[int, ...] = (0,), resources: dict[str, float] | None = None) -> ComputeTaskEvent:
         deps = deps or {}
-        return ComputeTaskEvent(self.sid(), key, f"payload-{key}", deps, nbytes or {k: 1 for k in deps}, priority)
+        return ComputeTaskEvent(self.sid(), key, f"payload-{key}", deps, nbytes or {k: 1 for k in deps}, priority,
+                                resources=resources)
 
     def compute(self, key: Any, deps: dict[Any, list[str]] | None = None, nbytes: dict[Any, int] | None = None,
-                priority: tuple[int, ...] = (0,)) -> list[Any]:
-        return self(self.compute_event(key, deps, nbytes, priority))
+                priority: tuple[int, ...] = (0,), resources: dict[str, float] | None = None) -> list[Any]:
+        return self(self.compute_event(key, deps, nbytes, priority, resources))
+
+    def secede(self, key: Any) -> list[Any]:
+        return self(SecedeEvent(self.sid(), key))
+
+    def rejoin(self, key: Any) -> list[Any]:
+        return self(RejoinEvent(self.sid(), key))
 
     def free(self, *keys: Any) -> list[Any]:
         return self(FreeKeysEvent(self.sid(), list(keys)))
@@ -88,6 +98,10 @@ class Wk:
 
 def executes(out: list[Any]) -> list[Any]:
     return [i.key for i in out if isinstance(i, Execute)]
+
+
+def rejoins(out: list[Any]) -> list[Any]:
+    return [i.key for i in out if isinstance(i, Rejoin)]
 
 
 def gathers(out: list[Any]) -> list[tuple[str, list[Any], int]]:
@@ -556,11 +570,11 @@ def test_an_input_computed_here_then_freed_is_fetched_again(w: Wk) -> None:
 def test_the_transition_table_covers_every_state() -> None:
     from typing import get_args
 
-    from shoal.worker.state import _TRANSITIONS, WState
+    from shoal.worker.model import TRANSITIONS, WState
 
     states = set(get_args(WState))
-    assert set(_TRANSITIONS) == states
-    assert all(finishes <= states and start not in finishes for start, finishes in _TRANSITIONS.items())
+    assert set(TRANSITIONS) == states
+    assert all(finishes <= states and start not in finishes for start, finishes in TRANSITIONS.items())
 
 
 def test_an_illegal_transition_raises_and_changes_nothing(w: Wk) -> None:
@@ -644,6 +658,166 @@ def test_validate_catches_a_broken_invariant(w: Wk) -> None:
     del w.state.data["x"]
 
 
+# ----------------------------------------------------------------------- resources
+
+
+def test_a_task_waits_for_its_resources_and_holds_them_until_its_thread_reports() -> None:
+    w = Wk(nthreads=2, queued=0, resources={"GPU": 1})
+    out = w(w.compute_event("a", resources={"GPU": 1}), w.compute_event("b", resources={"GPU": 1}),
+            w.compute_event("c"))
+    # two threads, one GPU: b stays ready (in order), c needs none and runs
+    assert executes(out) == ["a", "c"]
+    assert w.states() == {"a": "executing", "b": "ready", "c": "executing"}
+    assert w.state.available_resources == {"GPU": 0.0}
+    assert executes(w.success("c")) == []  # a thread is free, the GPU is not
+    assert executes(w.success("a")) == ["b"]
+    assert w.state.holding == {w.state.tasks["b"]: {"GPU": 1}}
+    w.failure("b")  # an error gives them back too
+    assert w.state.available_resources == {"GPU": 1.0} and not w.state.holding
+
+
+def test_resources_are_held_while_a_task_waits_in_the_thread_pool() -> None:
+    w = Wk(nthreads=1, queued=1, resources={"GPU": 1})
+    out = w(w.compute_event("a"), w.compute_event("b", resources={"GPU": 1}), w.compute_event("c", resources={"GPU": 1}))
+    assert executes(out) == ["a", "b"]  # b waits in the pool for a's thread, with the GPU
+    assert w.state.available_resources == {"GPU": 0.0}
+    assert executes(w.success("a")) == []  # c: the GPU is b's
+    assert executes(w.success("b")) == ["c"]
+
+
+def test_a_cancelled_task_gives_its_resources_back_when_its_thread_returns() -> None:
+    w = Wk(nthreads=2, queued=0, resources={"GPU": 1})
+    w.compute("a", resources={"GPU": 1})
+    assert executes(w.compute("b", resources={"GPU": 1})) == []
+    w.free("a")
+    assert w.states()["a"] == "cancelled"
+    assert w.state.available_resources == {"GPU": 0.0}  # its thread still runs
+    assert executes(w.success("a")) == ["b"]
+    assert "a" not in w.states()
+
+
+def test_tasks_that_need_resources_start_in_order_and_others_pass_them() -> None:
+    w = Wk(nthreads=4, queued=0, resources={"GPU": 2})
+    assert executes(w.compute("x", resources={"GPU": 1}, priority=(0,))) == ["x"]
+    out = w(w.compute_event("big", resources={"GPU": 2}, priority=(1,)),
+            w.compute_event("small", resources={"GPU": 1}, priority=(2,)),
+            w.compute_event("cpu", priority=(3,)))
+    # one GPU is free: "small" would fit but must not pass "big"; "cpu" needs none
+    assert executes(out) == ["cpu"]
+    assert executes(w.success("x")) == ["big"]
+    assert executes(w.success("big")) == ["small"]
+
+
+def test_priority_decides_between_tasks_with_and_without_resources() -> None:
+    w = Wk(nthreads=1, queued=0, resources={"GPU": 1})
+    w.compute("first")
+    w(w.compute_event("cpu", priority=(2,)), w.compute_event("gpu", resources={"GPU": 1}, priority=(1,)))
+    assert executes(w.success("first")) == ["gpu"]
+    assert executes(w.success("gpu")) == ["cpu"]
+
+
+def test_a_task_that_needs_more_than_the_worker_has_errs() -> None:
+    w = Wk(nthreads=1, resources={"GPU": 1})
+    out = w.compute("x", resources={"GPU": 2, "MEM": 1})
+    (msg,) = sent(out)
+    assert (msg["op"], msg["key"]) == ("task-erred", "x")
+    assert "needs resources {'GPU': 2, 'MEM': 1}" in msg["text"]
+    assert not executes(out) and w.state.tasks == {}
+    # a resource of amount 0 is no need at all
+    assert executes(w.compute("y", resources={"TPU": 0})) == ["y"]
+
+
+# ---------------------------------------------------------------- secede / rejoin
+
+
+def test_a_seceded_task_frees_its_slot_and_tells_the_scheduler() -> None:
+    w = Wk(nthreads=1, queued=0)
+    w.compute("a")
+    assert executes(w.compute("b")) == []
+    out = w.secede("a")
+    assert sent(out) == [{"op": "long-running", "key": "a"}]
+    assert executes(out) == ["b"]  # a's thread still runs, without a slot
+    assert w.state.seceded == {w.state.tasks["a"]}
+    assert w.secede("a") == []  # once is enough
+    w.success("b")
+    assert rejoins(w.rejoin("a")) == ["a"]  # a slot is free: at once
+    assert w.state.executing == {w.state.tasks["a"]} and not w.state.seceded
+
+
+def test_rejoin_waits_for_a_slot_and_goes_before_ready_tasks() -> None:
+    w = Wk(nthreads=1, queued=1)
+    w.compute("a")
+    w.secede("a")
+    out = w(w.compute_event("b"), w.compute_event("c"), w.compute_event("d"))
+    assert executes(out) == ["b", "c"]  # a slot and one ahead in the pool
+    assert w.rejoin("a") == []
+    # b's thread is free, but c takes it: a still waits, and no new task starts
+    out = w.success("b")
+    assert not executes(out) and not rejoins(out)
+    assert w.states()["d"] == "ready"
+    out = w.success("c")
+    assert rejoins(out) == ["a"] and executes(out) == ["d"]  # d waits in the pool behind a
+    w.success("a")
+    w.success("d")
+    assert not w.state.executing and not w.state.seceded and not w.state.rejoining
+
+
+def test_a_seceded_task_may_finish_without_rejoining(w: Wk) -> None:
+    w.compute("a")
+    w.secede("a")
+    out = w.success("a")
+    assert ops(out) == [("task-finished", "a")]
+    assert w.states() == {"a": "memory"} and not w.state.seceded
+
+
+def test_a_seceded_task_keeps_its_resources() -> None:
+    w = Wk(nthreads=1, queued=0, resources={"GPU": 1})
+    w.compute("a", resources={"GPU": 1})
+    w.secede("a")
+    assert executes(w.compute("b", resources={"GPU": 1})) == []  # a slot, but no GPU
+    assert executes(w.compute("c")) == ["c"]
+    w.success("c")
+    assert executes(w.success("a")) == ["b"]
+
+
+def test_a_cancelled_seceded_task_tells_the_scheduler_nothing(w: Wk) -> None:
+    w.compute("a")
+    w.free("a")
+    assert sent(w.secede("a")) == []
+    assert rejoins(w.rejoin("a")) == ["a"]
+    w.failure("a")
+    assert w.state.tasks == {}
+
+
+def test_a_seceded_task_computed_again_while_cancelled_is_long_running_again(w: Wk) -> None:
+    w.compute("a")
+    w.free("a")
+    w.secede("a")
+    out = w.compute("a")
+    assert sent(out) == [{"op": "long-running", "key": "a"}]
+    assert ops(w.success("a")) == [("task-finished", "a")]
+
+
+def test_rejoin_of_a_task_that_did_not_secede_answers_at_once(w: Wk) -> None:
+    w.compute("a")
+    assert rejoins(w.rejoin("a")) == ["a"]
+    assert rejoins(w.rejoin("ghost")) == ["ghost"]
+    assert w.secede("ghost") == []
+
+
+def test_secede_and_rejoin_replay_from_the_log() -> None:
+    w = Wk(nthreads=1, queued=1, resources={"GPU": 1})
+    w.compute("a", resources={"GPU": 1})
+    w.secede("a")
+    w.compute("b", resources={"GPU": 1})
+    w.compute("c")
+    w.rejoin("a")
+    w.success("c")
+    w.success("a")
+    w.success("b")
+    assert_replays(w.state, w.out, **w.params)
+
+
 # =================================================================== stateful test
 
 
@@ -658,9 +832,12 @@ class WorkerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25, queued=1)  # as a worker runs it
+        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25, queued=1, resources={"GPU": 2})  # as a worker runs it
         #: keys with a running executor thread
         self.threads: set[Any] = set()
+        #: of those, the threads that seceded, and those of them waiting to rejoin
+        self.seceded: set[Any] = set()
+        self.rejoining: set[Any] = set()
         #: outstanding GatherDep requests
         self.requests: dict[str, list[Any]] = {}
         #: keys the scheduler asked for and did not free since -> reported since?
@@ -676,6 +853,10 @@ class WorkerMachine(RuleBasedStateMachine):
                 assert inst.key not in self.threads, f"{inst.key} is already running"
                 assert st_.tasks[inst.key].state == "executing"
                 self.threads.add(inst.key)
+            elif isinstance(inst, Rejoin):
+                assert inst.key in self.rejoining, f"{inst.key} rejoined without asking"
+                self.rejoining.discard(inst.key)
+                self.seceded.discard(inst.key)
             elif isinstance(inst, GatherDep):
                 assert inst.worker not in self.requests, f"a second request to {inst.worker}"
                 assert inst.worker != ME
@@ -685,12 +866,14 @@ class WorkerMachine(RuleBasedStateMachine):
                 self.requests[inst.worker] = list(inst.keys)
             elif isinstance(inst, SendMsg):
                 op, key = inst.msg["op"], inst.msg["key"]
-                if op in ("task-finished", "task-erred", "reschedule"):
+                if op == "long-running":
+                    assert key in self.seceded and key in self.wanted, inst.msg
+                elif op in ("task-finished", "task-erred", "reschedule"):
                     assert key in self.wanted, f"{op} for {key}, which the scheduler did not ask for (or freed)"
                     self.wanted[key] = True
                 else:
                     assert op == "missing-data" and inst.msg["errant_worker"] in self.told.get(key, ()), inst.msg
-        assert len(self.threads) <= st_.slots
+        assert len(self.threads - self.seceded) <= (2 * st_.slots if st_.slots > st_.nthreads else st_.slots)
         assert len(self.requests) <= st_.max_gathers
         return out
 
@@ -699,15 +882,17 @@ class WorkerMachine(RuleBasedStateMachine):
         deps=st.lists(st.tuples(st.integers(0, len(KEYS) - 1), st.sets(st.sampled_from((*PEERS, ME)), max_size=2),
                                 st.integers(1, 20)), max_size=3),
         priority=st.integers(0, 5),
+        gpus=st.sampled_from([0, 0, 1, 2]),
     )
-    def compute(self, key: int, deps: list[tuple[int, set[str], int]], priority: int) -> None:
+    def compute(self, key: int, deps: list[tuple[int, set[str], int]], priority: int, gpus: int) -> None:
         # dependencies have smaller indices, so the graph has no cycle
         who_has = {KEYS[d]: sorted(holders) for d, holders, _ in deps if d < key}
         nbytes = {KEYS[d]: n for d, _, n in deps if d < key}
         for k, holders in who_has.items():
             self.told.setdefault(k, set()).update(holders)
         self.wanted[KEYS[key]] = False
-        self.apply(ComputeTaskEvent(self.h.sid(), KEYS[key], f"payload-{key}", who_has, nbytes, (priority,)))
+        self.apply(ComputeTaskEvent(self.h.sid(), KEYS[key], f"payload-{key}", who_has, nbytes, (priority,),
+                                    resources={"GPU": gpus} if gpus else None))
 
     @precondition(lambda self: self.h.state.tasks)
     @rule(data=st.data())
@@ -717,11 +902,27 @@ class WorkerMachine(RuleBasedStateMachine):
             self.wanted.pop(k, None)
         self.apply(FreeKeysEvent(self.h.sid(), keys))
 
-    @precondition(lambda self: self.threads)
+    @precondition(lambda self: self.threads - self.seceded)
+    @rule(data=st.data())
+    def secede(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.threads - self.seceded)))
+        self.seceded.add(key)
+        self.apply(SecedeEvent(self.h.sid(), key))
+
+    @precondition(lambda self: self.seceded - self.rejoining)
+    @rule(data=st.data())
+    def rejoin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.seceded - self.rejoining)))
+        self.rejoining.add(key)
+        self.apply(RejoinEvent(self.h.sid(), key))
+
+    @precondition(lambda self: self.threads - self.rejoining)
     @rule(data=st.data(), ok=st.booleans(), nbytes=st.integers(1, 30))
     def thread_done(self, data: st.DataObject, ok: bool, nbytes: int) -> None:
-        key = data.draw(st.sampled_from(sorted(self.threads)))
+        # a thread waiting to rejoin is blocked: it reports nothing
+        key = data.draw(st.sampled_from(sorted(self.threads - self.rejoining)))
         self.threads.discard(key)
+        self.seceded.discard(key)
         if ok:
             self.apply(ExecuteSuccessEvent(self.h.sid(), key, f"value-{key}", nbytes))
         else:
@@ -751,8 +952,9 @@ class WorkerMachine(RuleBasedStateMachine):
         for _ in range(1000):
             if not self.threads and not self.requests:
                 break
-            for key in sorted(self.threads):
+            for key in sorted(self.threads - self.rejoining):
                 self.threads.discard(key)
+                self.seceded.discard(key)
                 self.apply(ExecuteSuccessEvent(self.h.sid(), key, f"value-{key}", 1))
             for peer in sorted(self.requests):
                 keys = self.requests.pop(peer)
@@ -765,6 +967,8 @@ class WorkerMachine(RuleBasedStateMachine):
         assert not left, f"settled, but not done: {left}"
         assert set(s.data) == set(s.tasks)
         assert not s.executing and not s.fetching and not s.in_flight_workers
+        assert not s.seceded and not s.rejoining and not s.holding
+        assert s.available_resources == s.total_resources
         unreported = [k for k, done in self.wanted.items() if not done]
         assert not unreported, f"never reported to the scheduler: {unreported}"
         # and the run replays from the log alone (one event per handle(), as here)

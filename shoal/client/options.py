@@ -1,0 +1,135 @@
+"""Where and how a task may run, as the client takes it from the user: the reserved
+keywords of ``submit``/``map``/``compute``/``persist`` (``workers``, ``resources``,
+``priority``, ``retries``, ``allow_other_workers``) and dask's annotations
+(``with dask.annotate(priority=...)``, and per-key annotations of a collection's
+graph). They become fields of a task of ``update-graph``; they never reach the
+function."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ..protocol.messages import resources_problem
+
+__all__ = ["TaskOptions", "apply_annotations", "context_annotations"]
+
+#: the annotations the scheduler acts on (dask's names); others are kept by dask only
+_KNOWN = ("priority", "resources", "workers", "retries", "allow_other_workers")
+
+
+class TaskOptions:
+    """Checked task options: ``fields`` are the ``update-graph`` task fields they set
+    (only those that differ from the default). Raises ``TypeError``/``ValueError`` for a
+    bad option, naming it."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, workers: Any = None, resources: Any = None, priority: Any = 0, retries: Any = 0,
+                 allow_other_workers: Any = False):
+        fields: dict[str, Any] = {}
+        restrictions = worker_restrictions(workers)
+        if restrictions is not None:
+            fields["workers"] = restrictions
+        if allow_other_workers not in (True, False, None):
+            raise TypeError(f"allow_other_workers= must be True, False or None, got {allow_other_workers!r}")
+        if allow_other_workers:
+            if restrictions is None:
+                raise ValueError("allow_other_workers=True needs workers= (the workers to prefer)")
+            fields["allow_other_workers"] = True
+        if resources:
+            checked = check_resources(resources)
+            if checked:
+                fields["resources"] = checked
+        if priority:
+            fields["priority"] = check_int("priority", priority)
+        if retries:
+            n = check_int("retries", retries)
+            if n < 0:
+                raise ValueError(f"retries= must be >= 0, got {n}")
+            fields["retries"] = n
+        self.fields = fields
+
+    @classmethod
+    def of(cls, annotations: Mapping[str, Any]) -> TaskOptions:
+        """The options dask annotations ask for (unknown annotations are ignored)."""
+        return cls(**{k: annotations[k] for k in _KNOWN if k in annotations})
+
+    def merged(self, explicit: TaskOptions) -> TaskOptions:
+        """These options with ``explicit``'s on top."""
+        out = TaskOptions()
+        out.fields = {**self.fields, **explicit.fields}
+        return out
+
+
+def worker_restrictions(workers: Any) -> list[str] | None:
+    """``workers=`` (an address, worker name or host, or a collection of them) as a
+    list (``None``: anywhere)."""
+    if workers is None:
+        return None
+    if isinstance(workers, str):
+        return [workers]
+    if isinstance(workers, (list, tuple, set, frozenset)):
+        out = list(workers)
+        if all(isinstance(w, str) for w in out):
+            return sorted(out) if isinstance(workers, (set, frozenset)) else out
+    raise TypeError(f"workers= takes worker addresses, names or hosts (strings), got {workers!r:.100}")
+
+
+def check_resources(resources: Any) -> dict[str, float]:
+    """``resources=`` as ``{name: amount}``; raises ``TypeError``/``ValueError``."""
+    if not isinstance(resources, Mapping):
+        raise TypeError(f"resources= takes a mapping of names to amounts, e.g. {{'GPU': 1}}, got {resources!r:.100}")
+    out: dict[str, float] = {}
+    for name, amount in resources.items():
+        if not isinstance(name, str):
+            raise TypeError(f"resources= names are strings, got {name!r:.60}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise TypeError(f"resources= amounts are numbers, got {amount!r:.60} for {name!r}")
+        out[name] = float(amount)
+    problem = resources_problem(out)
+    if problem is not None:
+        raise ValueError(f"resources=: {problem}")
+    return {name: amount for name, amount in out.items() if amount > 0}  # asking for none is no restriction
+
+
+def check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}= must be an int, got {value!r:.60}")
+    if not -(1 << 62) < value < (1 << 62):
+        raise ValueError(f"{name}= is out of range: {value}")
+    return value
+
+
+def context_annotations() -> dict[str, Any]:
+    """The annotations of the enclosing ``with dask.annotate(...)`` blocks (none
+    without dask)."""
+    dask = sys.modules.get("dask")
+    if dask is None:
+        return {}
+    get = getattr(dask, "get_annotations", None)
+    return dict(get()) if get is not None else {}
+
+
+def apply_annotations(tasks: list[dict[str, Any]], per_key: Mapping[str, Mapping[Any, Any]],
+                      explicit: TaskOptions) -> None:
+    """Set the fields of graph ``tasks`` from dask annotations: the graph's per-key ones
+    (``per_key``: annotation -> {key: value}, as ``__dask_annotations__()`` gives them;
+    callables of the context are called with the key) over the options of the call
+    (``explicit``, which already hold the context's annotations)."""
+    base = explicit.fields
+    per_key = {k: v for k, v in per_key.items() if k in _KNOWN and v}
+    for task in tasks:
+        fields = base
+        if per_key:
+            own = {name: values[task["key"]] for name, values in per_key.items() if task["key"] in values}
+            if own:
+                fields = {**base, **TaskOptions.of(own).fields}
+        if fields:
+            task.update(fields)
+
+
+def resolve_callables(annotations: dict[str, Any], key: Any) -> dict[str, Any]:
+    """Context annotations may be callables of the key (dask allows it)."""
+    return {k: (v(key) if callable(v) else v) for k, v in annotations.items()}

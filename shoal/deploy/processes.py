@@ -1,0 +1,177 @@
+"""Worker processes of a :class:`~.local.LocalCluster`: starting them (``python -m shoal
+worker``, their output to a log file of the cluster), stopping and reaping them, and
+how a process that has such workers ends on SIGTERM.
+
+A process with a cluster of worker processes ends cleanly on SIGTERM as on Ctrl-C:
+the signal becomes an exception in the main thread (``SystemExit(143)``), so ``with``
+blocks and exit handlers close the cluster, whose workers remove their shared memory
+and exit (the clusters still running at exit are closed then). A second SIGTERM
+while that runs kills the workers, removes their segments and this process's, and
+leaves at once. Worker processes have a process group of their own: a Ctrl-C at the
+terminal reaches this process only, which stops them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, NoReturn, Protocol
+
+from ..comm import shm
+
+__all__ = ["WorkerProcess", "spawn_worker", "reap", "format_resources"]
+
+
+class WorkerProcess:
+    """A worker process of a cluster (the values of ``LocalCluster.workers`` with
+    ``processes=True``): its ``name``, ``pid``, ``proc`` (the ``subprocess.Popen``),
+    ``log_path`` (its stdout and stderr) and ``address`` (its worker's, once it has
+    joined the scheduler; ``""`` before)."""
+
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: str):
+        self.name = name
+        self.proc = proc
+        self.log_path = log_path
+        self.address = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def __repr__(self) -> str:
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"<WorkerProcess {self.name!r} pid={self.pid} {self.address or '-'} {state}>"
+
+
+def format_resources(resources: dict[str, float]) -> str:
+    """The ``shoal worker --resources`` argument for ``resources`` (read back exactly:
+    floats by their repr)."""
+    return ",".join(f"{name}={float(amount)!r}" for name, amount in resources.items())
+
+
+def check_resources(resources: Any) -> dict[str, float]:
+    """``resources`` as ``{name: float}``; raises ``TypeError``/``ValueError`` for
+    anything else: names are non-empty strings without ``=``, ``,`` or spaces (they
+    travel on a command line), amounts finite numbers >= 0."""
+    if resources is None:
+        return {}
+    if not isinstance(resources, dict):
+        raise TypeError(f"resources must be a dict of name -> amount, got {type(resources).__name__}")
+    out: dict[str, float] = {}
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "=, \t\n"):
+            raise ValueError(f"resources: a name must be a non-empty string without '=', ',' or spaces, got {name!r}")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise TypeError(f"resources: {name}: the amount must be a number, got {type(amount).__name__}")
+        value = float(amount)
+        if value != value or value in (float("inf"), float("-inf")) or value < 0:
+            raise ValueError(f"resources: {name}: the amount must be a finite number >= 0, got {amount!r}")
+        out[name] = value
+    return out
+
+
+def spawn_worker(scheduler_address: str, name: str, nthreads: int, host: str, resources: dict[str, float],
+                 env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    """Start ``python -m shoal worker`` for ``name``, its stdout and stderr appended to
+    ``log_path``. It leaves when its scheduler does (``--death-timeout 0``: the cluster
+    replaces workers, they need not wait for a scheduler that is this process)."""
+    args = [sys.executable, "-P", "-m", "shoal", "worker", scheduler_address,  # -P: see the cluster's PYTHONPATH
+            "--nthreads", str(nthreads), "--name", name, "--host", host, "--death-timeout", "0"]
+    if resources:
+        args += ["--resources", format_resources(resources)]
+    with open(log_path, "ab") as log:  # the child has its own descriptor of it
+        return subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+            process_group=0,  # not signalled with this process's group (a Ctrl-C): see the module
+        )
+
+
+async def reap(p: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for worker process ``p`` to exit, killing it after ``timeout`` seconds, and
+    remove the segments it left (it was killed). Polled rather than waited for in a
+    thread: a cluster closed at interpreter exit gets no executor thread any more."""
+    deadline = time.monotonic() + timeout
+    while p.poll() is None:
+        if time.monotonic() >= deadline:
+            p.kill()
+            deadline = float("inf")
+        await asyncio.sleep(0.01)  # polling: nothing wakes this loop when a child exits
+    # whatever a worker could not remove itself (it was killed) goes now
+    shm.sweep(p.pid)
+
+
+# ------------------------------------------------------------ SIGTERM and exit
+
+
+class _HasProcesses(Protocol):
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]: ...
+
+    def _close_at_exit(self) -> None: ...
+
+    def _remove_files_now(self) -> None: ...
+
+
+#: the clusters of this process with worker processes, not closed yet
+running: weakref.WeakSet[Any] = weakref.WeakSet()
+#: a SIGTERM came: this process is on its way out
+_terminating = False
+
+
+def handle_sigterm() -> None:
+    """Make SIGTERM end this process by ``SystemExit(143)`` in the main thread, which
+    runs ``finally`` clauses, ``with`` blocks and exit handlers (they close the
+    clusters), where its default action would kill the process on the spot, with its
+    workers' shared memory left. Only from the main thread, and only when SIGTERM has
+    its default action: a handler of the application's own is left alone."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def release_sigterm() -> None:
+    """SIGTERM's default action again once no cluster runs, unless the process is
+    leaving because of one (a second one must still find :func:`_on_sigterm`)."""
+    if (not running and not _terminating and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _terminating
+    if _terminating:
+        _kill_now(signum)
+    _terminating = True
+    raise SystemExit(128 + signum)
+
+
+def _kill_now(signum: int) -> NoReturn:
+    """A second SIGTERM while the first one's clean-up runs (too slow for whoever sent
+    it): kill the worker processes, remove their segments and this process's by name
+    (:func:`.shm.sweep` takes no lock, which the interrupted code may hold), and leave."""
+    cluster: _HasProcesses
+    for cluster in list(running):
+        for p in cluster.procs:
+            p.kill()
+            try:
+                os.waitpid(p.pid, 0)  # gone before its names are removed: it makes no more
+            except ChildProcessError:
+                pass
+            shm.sweep(p.pid)
+        cluster._remove_files_now()
+    shm.sweep(os.getpid())
+    os.write(2, b"shoal: a second SIGTERM while the cluster closed: its workers were killed; exiting now\n")
+    os._exit(128 + signum)
+
+
+@atexit.register
+def _close_clusters() -> None:
+    cluster: _HasProcesses
+    for cluster in list(running):
+        cluster._close_at_exit()
