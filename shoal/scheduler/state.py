@@ -333,6 +333,8 @@ class SchedulerState(TaskTransitions):
                 self.tasks[key].who_wants.add(ev.client)
         self.clients.add(ev.client)
         recs: dict[TaskState, str] = {}
+        if any(t.priority for t in new.values()):
+            created.sort()  # the tasks go to workers in the order recommended: by priority
         for ts in created:
             if ts.state != "released":
                 continue  # erred already, with a dependency that cannot run

@@ -558,9 +558,10 @@ class WorkerState:
     def _overtake(self) -> None:
         """A ready task more urgent than one handed to the thread pool ahead (which may
         not have started) goes to the pool too: the pool takes work by priority, so it
-        starts first. At most ``slots`` tasks more."""
+        starts first. (How many that can be is bounded by the scheduler: it gives a
+        worker at most ``nthreads * (1 + ahead)`` tasks.)"""
         ready = self.ready
-        while ready and len(self.executing) < 2 * self.slots:
+        while ready:
             while ready and not self._live(ready[0], False):
                 heapq.heappop(ready)
             if not ready or not ready[0] < max(self.executing):

@@ -71,8 +71,13 @@ def validate_state(state: WorkerState) -> None:
 def _validate_threads(state: WorkerState) -> None:
     """Slots: at most ``slots`` tasks hold one; seceded tasks hold none; no slot is
     idle while a task could take it."""
-    # beyond ``slots``: tasks that overtook ones handed to the pool ahead
-    assert len(state.executing) <= (2 * state.slots if state.slots > state.nthreads else state.slots)
+    # beyond ``slots`` only tasks that overtook ones handed to the pool ahead: no
+    # ready task is more urgent than every one handed to the pool
+    if state.slots == state.nthreads:
+        assert len(state.executing) <= state.slots
+    elif len(state.executing) > state.slots:
+        live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts]
+        assert not live or not min(live) < max(state.executing), "a ready task should overtake"
     assert not state.executing & state.seceded
     for ts in state.executing | state.seceded:
         assert state.tasks.get(ts.key) is ts and ts.state in ("executing", "cancelled", "memory"), ts

@@ -149,8 +149,11 @@ def test_workers_may_be_a_worker_name(cluster, client):
 # ------------------------------------------------------------------- priorities
 
 
-def _gate(path: str) -> None:
-    """Block until the test releases its exclusive lock on ``path``."""
+def _gate(path: str, started: str | None = None) -> None:
+    """Block until the test releases its exclusive lock on ``path`` (having created
+    ``started``, if given, to say it runs)."""
+    if started is not None:
+        open(started, "w").close()
     with open(path) as fh:
         fcntl.flock(fh, fcntl.LOCK_SH)
         fcntl.flock(fh, fcntl.LOCK_UN)
@@ -169,9 +172,15 @@ def test_higher_priority_first_and_ties_in_submission_order(tmp_path, processes)
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=processes) as cluster, Client(cluster) as client:
         with open(gate) as held:
             fcntl.flock(held, fcntl.LOCK_EX)
-            blocker = client.submit(_gate, gate, pure=False)
+            started = str(tmp_path / "started")
+            blocker = client.submit(_gate, gate, started, pure=False)
+            wait_until(lambda: os.path.exists(started))  # the one thread is taken
             order = [("low-a", 0), ("high", 10), ("low-b", 0), ("mid", 5), ("low-c", 0), ("top", 20)]
-            futures = [client.submit(_record, log, name, priority=p, key=name) for name, p in order]
+            tasks = []
+            for name, p in order:  # one graph: the scheduler has them all at once
+                with dask.annotate(priority=p):
+                    tasks.append(dask.delayed(_record, pure=True)(log, name, dask_key_name=name))
+            futures = client.compute(tasks, optimize_graph=False)
             names = {name for name, _ in order}
             wait_until(lambda: names <= cluster.scheduler.state.tasks.keys())
             fcntl.flock(held, fcntl.LOCK_UN)

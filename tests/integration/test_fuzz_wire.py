@@ -429,6 +429,17 @@ REQUEST_OPS = {
     "publish-get": ("x", {"names": ["c"]}),
     "publish-delete": ("x", {"names": ["c"]}),
     "publish-list": ("x", {}),
+    # the client's inspection and control ops, and progress (upload-file's canary is
+    # its data, which must be bytes: refused before anything is kept)
+    "has-what": ("x", {}),
+    "processing": ("x", {}),
+    "versions": ("x", {}),
+    "rebalance-plan": ("keys", {}),
+    "remove-replicas": ("x", {}),
+    "wait-for-workers": ("x", {"n_workers": 1, "timeout": 0}),
+    "restart": ("x", {"client": "canary"}),
+    "upload-file": ("data", {"filename": "canary.py", "load": False}),
+    "progress": ("keys", {"id": "canary"}),
     # worker plugins: kept opaque for the workers that join later
     "register-worker-plugin": ("plugin", {"name": "canary"}),
     "unregister-worker-plugin": ("x", {"name": "canary"}),

@@ -1,5 +1,6 @@
 """Unit-test setup: after each test of the shared-memory modules, this process's segment
-registry must hold its invariants (:meth:`shoal.comm.shm_registry.SegmentRegistry.validate`)."""
+registry must hold its invariants (:meth:`shoal.comm.shm_registry.SegmentRegistry.validate`);
+``w``, a one-thread worker state of the harness (validated after the test too)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def valid_segment_registry(request: pytest.FixtureRequest) -> Iterator[None]:
         from shoal.comm import shm
 
         shm.registry.validate()
+
+
+@pytest.fixture
+def w() -> Iterator[object]:
+    from worker_harness import Wk
+
+    h = Wk(nthreads=1)
+    yield h
+    h.state.validate()

@@ -120,3 +120,11 @@ def test_the_log_replays_placement_by_resources_and_priority(priority):
     fresh, out = s.replay()
     assert [(i.worker, i.key) for i in out if hasattr(i, "payload")] == \
         [(i.worker, i.key) for i in s.instructions if hasattr(i, "payload")]
+
+
+def test_the_tasks_of_one_graph_go_to_workers_by_priority():
+    s = Sched()
+    add(s, "tcp://w:1", 1)  # room for 3
+    out = s.submit(t("low-1"), t("high", priority=10), t("low-2"), t("mid", priority=5), t("top", priority=20))
+    assert [k for _, k in computes(out)] == ["top", "high", "mid"]
+    assert [ts.key for ts in sorted(s.state.queued)] == ["low-1", "low-2"]
