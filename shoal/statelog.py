@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Reversible
 from typing import Any, NamedTuple
 
 from .errors import describe
 
-__all__ = ["StateLog", "Transition", "DROPPED", "InvalidTransition", "internal_error", "internal_errors", "keys_of"]
+__all__ = ["StateLog", "Transition", "DROPPED", "InvalidTransition", "internal_error", "internal_errors", "keys_of",
+           "transitions_since"]
 
 logger = logging.getLogger("shoal.statelog")
 
@@ -64,6 +65,19 @@ def internal_error(machine: str, exc: BaseException, log: StateLog, keys: Iterab
     logger.critical("%s", text, exc_info=exc)
     internal_errors.append(text)
     return text
+
+
+def transitions_since(transitions: Reversible[Any], last: Any) -> list[tuple[Any, str, str, str]]:
+    """The transitions logged after ``last`` (the newest entry of ``transitions``, a
+    log's deque, before a ``handle()`` call; None: all of them), oldest first: what
+    that call did, for plugins to be told."""
+    new = []
+    for entry in reversed(transitions):
+        if entry is last:
+            break
+        new.append(entry)
+    new.reverse()
+    return new
 
 
 class _Dropped:

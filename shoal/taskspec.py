@@ -109,7 +109,7 @@ class RunSpec:
     """What a worker runs for one task: ``func(*args, **kwargs)`` after ``Ref``\\ s are
     replaced by dependency values. The scheduler carries it opaque."""
 
-    __slots__ = ("func", "args", "kwargs", "handoff", "_nbytes", "_placed")
+    __slots__ = ("func", "args", "kwargs", "handoff", "_nbytes", "_placed", "_pickled")
 
     def __init__(self, func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None):
         self.func = func
@@ -123,6 +123,9 @@ class RunSpec:
         #: the large argument buffers copied into shared memory for same-host workers
         #: (:func:`shoal.comm.shm_family.place_buffers`), once for every send
         self._placed: Any = None
+        #: the arguments pickled (bytes, out-of-band buffers), once for every send:
+        #: made where they are checked (:func:`check_serializable`) or at the first send
+        self._pickled: tuple[bytes, list[Any]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -163,11 +166,16 @@ def _dumps_function_cached(func: Callable[..., Any]) -> bytes:
     return data
 
 
-def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], list[Any]]:
-    from pickle import PickleBuffer
+def _pickled_args(spec: RunSpec) -> tuple[bytes, list[Any]]:
+    """``(args, kwargs)`` of ``spec`` pickled (protocol 5, buffers out of band), once."""
+    if spec._pickled is None:
+        buffers: list[Any] = []
+        spec._pickled = (pickle_dumps((spec.args, spec.kwargs), buffer_callback=buffers.append), buffers)
+    return spec._pickled
 
-    buffers: list[PickleBuffer] = []
-    args = pickle_dumps((spec.args, spec.kwargs), buffer_callback=buffers.append)
+
+def _runspec_dumps(spec: RunSpec, destination: str) -> tuple[dict[str, Any], list[Any]]:
+    args, buffers = _pickled_args(spec)
     raws = [b.raw() for b in buffers]
     func = _dumps_function_cached(spec.func)
     if destination == SAME_HOST and raws:
@@ -295,29 +303,32 @@ def run(spec: RunSpec, values: Mapping[Key, Any]) -> Any:
     return spec.func(*args, **kwargs)
 
 
-_PLAIN = frozenset({int, float, str, bytes, bool, type(None), Ref, complex})
-
-
 def check_serializable(spec: RunSpec) -> None:
     """Raise :class:`SerializationError` (a ``TypeError``) naming the argument, or the
     function, of ``spec`` that does not pickle; what will have to travel is checked
-    before it is accepted. Plain values are not pickled for this; buffers are not
-    copied (they go out of band)."""
+    before it is accepted. The pickled arguments are kept for the sends (buffers are
+    not copied: they go out of band)."""
     from .protocol.serialize import unserializable
 
     try:
         _dumps_function_cached(spec.func)
-        for value in (*spec.args, *spec.kwargs.values()):
-            if type(value) not in _PLAIN:
-                pickle_dumps(value, buffer_callback=_drop)
+        _pickled_args(spec)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - a user's __reduce__ may raise anything
         raise unserializable(spec, exc) from exc
 
 
-def _drop(buffer: Any) -> None:
-    pass
+def takes_parameter(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` has a parameter called ``name`` (False for a callable
+    without a signature, such as some builtins): dask passes ``dask_worker`` and
+    ``dask_scheduler`` to the functions that ask for them."""
+    import inspect
+
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def raise_serialization_error(text: str) -> None:

@@ -18,9 +18,8 @@ import itertools
 import logging
 import threading
 import uuid
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,7 +32,7 @@ from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, to_serialize
 from ..protocol.core import prepare
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
-from ..taskspec import RunSpec, key_name, raise_serialization_error, tokenize, unique_token, validate_key
+from ..taskspec import RunSpec, raise_serialization_error, tokenize, unique_token, validate_key
 from .cluster_ops import ClusterOps
 from .collections import DaskCollections
 from .default import set_default, unset_default
@@ -42,7 +41,8 @@ from .worker_plugins import WorkerPluginMethods
 from .submit import Submitting
 from .coordination import PublishedDatasets
 from .future import Future, FutureState, _unwrap, as_actor
-from .structure import collect_futures, rebuild, rebuild_exception, replace_futures, worker_restrictions
+from .options import worker_restrictions
+from .structure import collect_futures, rebuild, rebuild_exception
 
 __all__ = ["Client"]
 

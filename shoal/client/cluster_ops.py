@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, cast
 from ..errors import CommError
 from ..protocol import to_serialize
 from ..protocol.versions import REQUIRED, get_versions, mismatches
+from ..taskspec import takes_parameter
 from ..rpc import PooledRPC, raise_error_message
 from .coordination import _seconds
 from .future import Future
+from .options import worker_restrictions
 from .structure import futures_of
 
 if TYPE_CHECKING:
@@ -73,18 +75,18 @@ class ClusterOps:
 
     def nthreads(self, workers: Any = None, **kwargs: Any) -> Any:
         """``{worker_address: number of threads}`` (of ``workers`` only, if given)."""
-        return self._this_client._sync(self._ask, "ncores", workers=_addresses(workers))
+        return self._this_client._sync(self._ask, "ncores", workers=worker_restrictions(workers))
 
     ncores = nthreads
 
     def has_what(self, workers: Any = None, **kwargs: Any) -> Any:
         """``{worker_address: (key, ...)}``: the values each worker holds (of
         ``workers`` only, if given; an unknown address holds nothing)."""
-        return self._this_client._sync(self._by_worker, "has_what", _addresses(workers))
+        return self._this_client._sync(self._by_worker, "has_what", worker_restrictions(workers))
 
     def processing(self, workers: Any = None) -> Any:
         """``{worker_address: (key, ...)}``: the tasks each worker was given to run."""
-        return self._this_client._sync(self._by_worker, "processing", _addresses(workers))
+        return self._this_client._sync(self._by_worker, "processing", worker_restrictions(workers))
 
     async def _by_worker(self, op: str, workers: list[str] | None) -> dict[str, tuple[Any, ...]]:
         found = await self._ask(op, workers=workers)
@@ -136,7 +138,7 @@ class ClusterOps:
         accepted for dask's sake (this client sends every copy itself)."""
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"Can not use replicate to delete data (n={n!r})")
-        return self._this_client._sync(self._replicate, futures_of(futures), n, _addresses(workers))
+        return self._this_client._sync(self._replicate, futures_of(futures), n, worker_restrictions(workers))
 
     async def _replicate(self, futures: list[Future], n: int | None, workers: list[str] | None) -> None:
         me = self._this_client
@@ -177,7 +179,7 @@ class ClusterOps:
         first), else any. A value is copied first and its old copy dropped after, by
         the scheduler. Raises ``ValueError`` for an unknown worker."""
         found = None if futures is None else futures_of(futures)
-        return self._this_client._sync(self._rebalance, found, _addresses(workers))
+        return self._this_client._sync(self._rebalance, found, worker_restrictions(workers))
 
     async def _rebalance(self, futures: list[Future] | None, workers: list[str] | None) -> None:
         me = self._this_client
@@ -300,7 +302,7 @@ class ClusterOps:
     async def _run_on_scheduler(self, function: Callable[..., Any], args: tuple[Any, ...],
                                 kwargs: dict[str, Any]) -> Any:
         scheduler, loop = self._scheduler_here("run_on_scheduler()")
-        if _takes(function, "dask_scheduler"):
+        if takes_parameter(function, "dask_scheduler"):
             kwargs = {**kwargs, "dask_scheduler": scheduler}
 
         async def call() -> Any:
@@ -420,26 +422,6 @@ class ClusterOps:
             await self._this_client._scheduler_rpc().retire_all()
         except CommError:
             pass  # the scheduler is gone already
-
-
-def _addresses(workers: Any) -> list[str] | None:
-    """``workers=`` as dask takes it (an address, or a list/tuple/set of them) as a list."""
-    if workers is None:
-        return None
-    if isinstance(workers, str):
-        return [workers]
-    out = list(workers)
-    if not all(isinstance(w, str) for w in out):
-        raise TypeError(f"workers= takes worker addresses (strings), got {workers!r}")
-    return out
-
-
-def _takes(function: Callable[..., Any], name: str) -> bool:
-    """Whether ``function`` has a parameter called ``name``."""
-    try:
-        return name in inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 async def _on_loop(loop: asyncio.AbstractEventLoop | None, coro: Coroutine[Any, Any, Any]) -> Any:

@@ -8,10 +8,10 @@ function."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..protocol.messages import resources_problem
+from ..protocol.resources import check_resources as checked_resources
 
 __all__ = ["TaskOptions", "apply_annotations", "context_annotations"]
 
@@ -70,7 +70,7 @@ def worker_restrictions(workers: Any) -> list[str] | None:
         return None
     if isinstance(workers, str):
         return [workers]
-    if isinstance(workers, (list, tuple, set, frozenset)):
+    if isinstance(workers, Iterable) and not isinstance(workers, (bytes, Mapping)):
         out = list(workers)
         if all(isinstance(w, str) for w in out):
             return sorted(out) if isinstance(workers, (set, frozenset)) else out
@@ -78,20 +78,9 @@ def worker_restrictions(workers: Any) -> list[str] | None:
 
 
 def check_resources(resources: Any) -> dict[str, float]:
-    """``resources=`` as ``{name: amount}``; raises ``TypeError``/``ValueError``."""
-    if not isinstance(resources, Mapping):
-        raise TypeError(f"resources= takes a mapping of names to amounts, e.g. {{'GPU': 1}}, got {resources!r:.100}")
-    out: dict[str, float] = {}
-    for name, amount in resources.items():
-        if not isinstance(name, str):
-            raise TypeError(f"resources= names are strings, got {name!r:.60}")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise TypeError(f"resources= amounts are numbers, got {amount!r:.60} for {name!r}")
-        out[name] = float(amount)
-    problem = resources_problem(out)
-    if problem is not None:
-        raise ValueError(f"resources=: {problem}")
-    return {name: amount for name, amount in out.items() if amount > 0}  # asking for none is no restriction
+    """``resources=`` as ``{name: amount}``, less the resources asked for none of (no
+    restriction); raises ``TypeError``/``ValueError``."""
+    return {name: amount for name, amount in checked_resources(resources, "resources=").items() if amount > 0}
 
 
 def check_int(name: str, value: Any) -> int:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from .. import config
 from ..errors import CommError, ProtocolError
 from .future import Future
+from .structure import futures_of
 
 if TYPE_CHECKING:
     from .client import Client
@@ -37,27 +38,6 @@ logger = logging.getLogger("shoal.client")
 
 #: what a progress reply counts per prefix (docs/protocol.md §9.3)
 Counts = dict[str, dict[str, int]]
-
-
-def futures_of(obj: Any) -> list[Future]:
-    """The futures in ``obj``: futures themselves, inside lists, tuples, sets and dict
-    values, and in the graphs of dask collections (a persisted collection's graph
-    holds its futures). Each key once, in the order found."""
-    out: dict[Any, Future] = {}
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, Future):
-            out.setdefault(x.key, x)
-        elif isinstance(x, (list, tuple, set, frozenset)):
-            stack.extend(reversed(list(x)) if isinstance(x, (list, tuple)) else x)
-        elif isinstance(x, dict):
-            stack.extend(reversed(list(x.values())))
-        elif hasattr(x, "__dask_graph__") and not isinstance(x, type):
-            graph = x.__dask_graph__()
-            if graph is not None:
-                stack.extend(reversed(list(graph.values())))
-    return list(out.values())
 
 
 def progress(*futures: Any, notebook: bool | None = None, multi: bool = True, complete: bool = True,

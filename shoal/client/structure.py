@@ -10,20 +10,8 @@ from ..errors import GraphError, KilledWorker, LostDataError, RemoteError, Seria
 from ..taskspec import Ref
 from .future import Future, _unwrap
 
-__all__ = ["collect_futures", "futures_of", "rebuild", "rebuild_exception", "replace_futures", "worker_restrictions"]
+__all__ = ["collect_futures", "futures_of", "rebuild", "rebuild_exception", "replace_futures"]
 
-
-
-def worker_restrictions(workers: Any) -> list[str] | None:
-    """``workers=`` as a list of addresses (``None``: anywhere)."""
-    if workers is None:
-        return None
-    if isinstance(workers, str):
-        return [workers]
-    out = list(workers)
-    if not all(isinstance(w, str) for w in out):
-        raise TypeError(f"workers= takes worker addresses (strings), got {workers!r}")
-    return out
 
 
 def replace_futures(obj: Any, deps: set[Any], client: Any) -> Any:
@@ -109,26 +97,21 @@ def rebuild_exception(msg: dict[str, Any]) -> BaseException:
 
 
 def futures_of(obj: Any) -> list[Future]:
-    """The futures in ``obj``: a future, containers of them, or a dask collection
-    whose graph holds them (a persisted one), each once, in the order found."""
-    found: list[Future] = []
-    collect_futures(obj, found)
-    graph = getattr(obj, "__dask_graph__", None)
-    if graph is not None and not isinstance(obj, type):
-        try:
-            values: list[Any] = list(dict(graph() or {}).values())
-        except Exception:  # not a dask collection after all
-            values = []
-        for v in values:
-            collect_futures(v, found)
-    elif isinstance(obj, (list, tuple, set)):
-        for item in obj:
-            if hasattr(item, "__dask_graph__"):
-                found.extend(futures_of(item))
-    seen: set[int] = set()
-    out = []
-    for f in found:
-        if id(f) not in seen:
-            seen.add(id(f))
-            out.append(f)
-    return out
+    """The futures in ``obj``: futures themselves, inside lists, tuples, sets and dict
+    values, and in the graphs of dask collections (a persisted collection's graph
+    holds its futures). Each key once, in the order found."""
+    out: dict[Any, Future] = {}
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Future):
+            out.setdefault(x.key, x)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            stack.extend(reversed(list(x)) if isinstance(x, (list, tuple)) else x)
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+        elif hasattr(x, "__dask_graph__") and not isinstance(x, type):
+            graph = x.__dask_graph__()
+            if graph is not None:
+                stack.extend(reversed(list(graph.values())))
+    return list(out.values())

@@ -25,6 +25,7 @@ import weakref
 from typing import Any, NoReturn, Protocol
 
 from ..comm import shm
+from ..protocol.resources import check_resources as checked_resources
 
 __all__ = ["WorkerProcess", "spawn_worker", "reap", "format_resources"]
 
@@ -57,23 +58,13 @@ def format_resources(resources: dict[str, float]) -> str:
 
 
 def check_resources(resources: Any) -> dict[str, float]:
-    """``resources`` as ``{name: float}``; raises ``TypeError``/``ValueError`` for
-    anything else: names are non-empty strings without ``=``, ``,`` or spaces (they
-    travel on a command line), amounts finite numbers >= 0."""
-    if resources is None:
-        return {}
-    if not isinstance(resources, dict):
-        raise TypeError(f"resources must be a dict of name -> amount, got {type(resources).__name__}")
-    out: dict[str, float] = {}
-    for name, amount in resources.items():
-        if not isinstance(name, str) or not name or any(c in name for c in "=, \t\n"):
+    """``resources`` as ``{name: float}`` (:func:`shoal.protocol.resources.check_resources`),
+    with names that can travel on a command line: no ``=``, ``,`` or spaces. Raises
+    ``TypeError``/``ValueError``."""
+    out = checked_resources(resources)
+    for name in out:
+        if any(c in name for c in "=, \t\n"):
             raise ValueError(f"resources: a name must be a non-empty string without '=', ',' or spaces, got {name!r}")
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise TypeError(f"resources: {name}: the amount must be a number, got {type(amount).__name__}")
-        value = float(amount)
-        if value != value or value in (float("inf"), float("-inf")) or value < 0:
-            raise ValueError(f"resources: {name}: the amount must be a finite number >= 0, got {amount!r}")
-        out[name] = value
     return out
 
 

@@ -11,18 +11,21 @@ map that is sent (the comm layer serializes maps: out-of-band values, tuples).
 
 Fields typed ``Any`` hold values the receiver forwards or decodes later (payloads,
 exceptions, segment infos: their own checks apply where they are used); ``key`` fields
-hold task keys, checked by :func:`key_problem`.
+hold task keys, checked by :func:`key_problem`. The base (keys, segment infos,
+:class:`Msg`) is in :mod:`.msgbase`, the coordination ops in :mod:`.coordination_msgs`,
+the check of resources in :mod:`.resources`; this module re-exports them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar
 
 import msgspec
 
 from ..errors import ProtocolError
+from .coordination_msgs import COORDINATION_REQUESTS, COORDINATION_STREAM
+from .msgbase import MAX_KEY_DEPTH, Key, Msg, SegmentInfo, SegmentRef, key_problem, segment_info
+from .resources import resources_problem
 
 __all__ = [
     "Msg",
@@ -30,7 +33,9 @@ __all__ = [
     "to_wire",
     "key_problem",
     "SegmentInfo",
+    "SegmentRef",
     "segment_info",
+    "resources_problem",
     "MAX_KEY_DEPTH",
     "Key",
     "WORKER_TO_SCHEDULER",
@@ -42,117 +47,6 @@ __all__ = [
     "HANDSHAKE",
     "ALL_OPS",
 ]
-
-#: a task key: what :func:`key_problem` accepts (a str, bytes, a 64-bit int, a finite
-#: float, or tuples of these); to the type checker, any hashable value. The one
-#: definition: every layer imports it from here
-Key: TypeAlias = Hashable
-
-#: how deeply tuples may nest in a key
-MAX_KEY_DEPTH = 16
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-
-
-def key_problem(key: Any, depth: int = 0) -> str | None:
-    """Why ``key`` is not a task key (a str of valid Unicode, bytes, a 64-bit int, a
-    finite float, or a tuple of keys nested at most :data:`MAX_KEY_DEPTH` deep), or
-    None if it is one."""
-    typ = type(key)
-    if typ is str:
-        if key.isascii():
-            return None
-        try:
-            key.encode()
-        except UnicodeEncodeError as exc:
-            return f"a str key must be valid Unicode ({exc.reason} at {exc.start})"
-        return None
-    if typ is bytes:
-        return None
-    if typ is float:
-        # NaN equals nothing, itself included: a NaN key could never be found again
-        return None if math.isfinite(key) else "a float key must be finite"
-    if typ is int:
-        return None if _INT_MIN <= key <= _INT_MAX else f"an int key must fit in 64 bits ({key.bit_length()} bits)"
-    if typ is tuple:
-        if depth >= MAX_KEY_DEPTH:
-            return f"a key may nest tuples at most {MAX_KEY_DEPTH} deep"
-        for k in key:
-            problem = key_problem(k, depth + 1)
-            if problem is not None:
-                return problem
-        return None
-    return f"a key is a str, bytes, int, float or tuple of these, not {typ.__name__}"
-
-
-class SegmentInfo(msgspec.Struct, array_like=True):
-    """Where a value lies in shared memory (docs/protocol.md §4.7): on the wire the
-    array ``[name, size, pickle_len, [[offset, length], ...], token]``."""
-
-    name: str
-    size: int
-    pickle_len: int
-    spans: list[tuple[int, int]]
-    token: str
-
-    def to_list(self) -> list[Any]:
-        """The wire form, for the layers that store and forward it."""
-        return [self.name, self.size, self.pickle_len, [list(span) for span in self.spans], self.token]
-
-
-class SegmentRef(msgspec.Struct, array_like=True, frozen=True):
-    """One buffer of a ``shoal.same-host`` or ``shoal.runspec`` header's ``refs`` that
-    lies in shared memory (docs/protocol.md §4.7): on the wire the array ``[name,
-    size, offset, length, flag, token]``; flag 0 maps an existing segment, flag 1 a
-    transfer segment that the receiver takes over."""
-
-    name: str
-    size: int
-    offset: int
-    length: int
-    flag: int
-    token: str
-
-    @classmethod
-    def parse(cls, value: Any) -> SegmentRef:
-        """``value`` (a ref as a peer sent it) checked: the six elements with their
-        types, the span inside the segment. Raises ``ValueError`` naming it."""
-        try:
-            ref = msgspec.convert(value, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"malformed shared-memory reference {value!r:.200}: {exc}") from None
-        if ref.offset < 0 or ref.length < 0 or ref.offset + ref.length > ref.size or ref.flag not in (0, 1):
-            raise ValueError(f"malformed shared-memory reference {value!r:.200}")
-        return ref
-
-    def to_list(self) -> list[Any]:
-        """The wire form, as headers carry it."""
-        return [self.name, self.size, self.offset, self.length, self.flag, self.token]
-
-
-def segment_info(value: Any) -> list[Any] | None:
-    """``value`` checked as a segment info (nil allowed) and returned in its wire form.
-    Raises :class:`ProtocolError` for anything else."""
-    if value is None:
-        return None
-    try:
-        return msgspec.convert(value, SegmentInfo).to_list()
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(f"malformed segment info: {exc}") from None
-
-
-class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False):
-    """Base of every message; ``op`` is the tag."""
-
-    #: names of fields that hold one key, and of fields that hold a list of keys or a
-    #: map keyed by keys (checked by :func:`decode`)
-    key_fields: ClassVar[tuple[str, ...]] = ()
-    key_list_fields: ClassVar[tuple[str, ...]] = ()
-    #: fields the document calls optional: :func:`to_wire` leaves them out while they
-    #: hold their default
-    optional: ClassVar[tuple[str, ...]] = ()
-    #: fields that hold a segment info (False) or a map of them by key (True)
-    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = ()
-
 
 # ------------------------------------------------------------------ handshake (§3)
 
@@ -591,173 +485,6 @@ class TransferStatsMsg(Msg, tag="transfer-stats"):
     reply: bool = True
 
 
-# ------------------------------------------------------------------ coordination (§9.4)
-# Named objects the scheduler holds for clients (Variable, Queue, Lock/Semaphore, Event,
-# Pub/Sub, datasets). Values are opaque (``data``); ``keys`` are futures' keys the
-# object keeps alive; ``client`` is the caller's id (leases, subscriptions and keys
-# handed over are tied to it); ``flush`` names a ``coordination-flush`` the caller sent
-# on its stream first, so that the graphs of the futures it passes have arrived.
-
-
-class CoordinationFlushMsg(Msg, tag="coordination-flush"):
-    """On the client stream: a marker that requests naming ``uid`` wait for."""
-
-    uid: str
-
-
-class PubSubSubscribeMsg(Msg, tag="pubsub-subscribe"):
-    name: str
-    sub: str
-
-
-class PubSubUnsubscribeMsg(Msg, tag="pubsub-unsubscribe"):
-    sub: str
-
-
-class PubSubPublishMsg(Msg, tag="pubsub-publish"):
-    name: str
-    data: Any = None
-
-
-class PubSubGetMsg(Msg, tag="pubsub-get"):
-    name: str
-    sub: str
-    client: str = ""
-    timeout: float | None = None
-    reply: bool = True
-
-
-class VariableSetMsg(Msg, tag="variable-set"):
-    name: str
-    keys: list[Any] = []
-    data: Any = None
-    client: str = ""
-    flush: str = ""
-    timeout: float | None = None
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
-
-
-class VariableGetMsg(Msg, tag="variable-get"):
-    name: str
-    client: str = ""
-    timeout: float | None = None
-    reply: bool = True
-
-
-class VariableDeleteMsg(Msg, tag="variable-delete"):
-    name: str
-    reply: bool = True
-
-
-class QueuePutMsg(Msg, tag="queue-put"):
-    name: str
-    maxsize: int = 0
-    keys: list[Any] = []
-    data: Any = None
-    client: str = ""
-    flush: str = ""
-    timeout: float | None = None
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
-
-
-class QueueGetMsg(Msg, tag="queue-get"):
-    name: str
-    maxsize: int = 0
-    batch: bool | int = False
-    client: str = ""
-    timeout: float | None = None
-    reply: bool = True
-
-
-class QueueSizeMsg(Msg, tag="queue-size"):
-    name: str
-    maxsize: int = 0
-    reply: bool = True
-
-
-class SemaphoreAcquireMsg(Msg, tag="semaphore-acquire"):
-    name: str
-    max_leases: int
-    lease: str
-    client: str = ""
-    timeout: float | None = None
-    reply: bool = True
-
-
-class SemaphoreReleaseMsg(Msg, tag="semaphore-release"):
-    name: str
-    lease: str
-    reply: bool = True
-
-
-class SemaphoreValueMsg(Msg, tag="semaphore-value"):
-    name: str
-    max_leases: int = 0
-    reply: bool = True
-
-
-class EventWaitMsg(Msg, tag="event-wait"):
-    name: str
-    client: str = ""
-    timeout: float | None = None
-    reply: bool = True
-
-
-class EventSetMsg(Msg, tag="event-set"):
-    name: str
-    reply: bool = True
-
-
-class EventClearMsg(Msg, tag="event-clear"):
-    name: str
-    reply: bool = True
-
-
-class EventIsSetMsg(Msg, tag="event-is-set"):
-    name: str
-    reply: bool = True
-
-
-class PublishPutMsg(Msg, tag="publish-put"):
-    names: list[Any]
-    keys: list[list[Any]] = []
-    data: list[Any] = []
-    override: bool = False
-    client: str = ""
-    flush: str = ""
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
-
-
-class PublishGetMsg(Msg, tag="publish-get"):
-    names: list[Any]
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
-
-
-class PublishDeleteMsg(Msg, tag="publish-delete"):
-    names: list[Any]
-    client: str = ""
-    flush: str = ""
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("names",)
-
-
-class PublishListMsg(Msg, tag="publish-list"):
-    reply: bool = True
-
-
-#: the coordination ops of the client stream (the scheduler hands them to its
-#: coordination extension)
-COORDINATION_STREAM = (CoordinationFlushMsg, PubSubSubscribeMsg, PubSubUnsubscribeMsg, PubSubPublishMsg)
-COORDINATION_REQUESTS = (PubSubGetMsg, VariableSetMsg, VariableGetMsg, VariableDeleteMsg, QueuePutMsg, QueueGetMsg,
-                         QueueSizeMsg, SemaphoreAcquireMsg, SemaphoreReleaseMsg, SemaphoreValueMsg, EventWaitMsg,
-                         EventSetMsg, EventClearMsg, EventIsSetMsg, PublishPutMsg, PublishGetMsg, PublishDeleteMsg,
-                         PublishListMsg)
-
-
 # ------------------------------------------------------------------ tables by direction
 
 
@@ -849,21 +576,6 @@ def _check_tasks(msg: UpdateGraphMsg) -> None:
         problem = resources_problem(task.resources)
         if problem is not None:
             raise ProtocolError(f"malformed 'update-graph': task {i}: resources: {problem}")
-
-
-def resources_problem(resources: dict[str, float] | None) -> str | None:
-    """Why ``resources`` (name -> amount) is not a valid map of abstract resources, or
-    ``None``: amounts are finite and not negative, names are non-empty, at most 64."""
-    if not resources:
-        return None
-    if len(resources) > 64:
-        return f"{len(resources)} resources (at most 64)"
-    for name, amount in resources.items():
-        if not name or len(name) > 200:
-            return f"a resource name must have 1 to 200 characters, got {name!r:.60}"
-        if not math.isfinite(amount) or amount < 0:
-            return f"resource {name!r}: amount {amount!r} is not a finite number >= 0"
-    return None
 
 
 def to_wire(msg: Msg) -> dict[str, Any]:

@@ -18,16 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..comm import Comm
 from ..protocol import REMOTE, Serialized
-from ..protocol.messages import (
+from ..protocol.coordination_msgs import (
     COORDINATION_STREAM,
     CoordinationFlushMsg,
-    Key,
-    Msg,
     PubSubPublishMsg,
     PubSubSubscribeMsg,
     PubSubUnsubscribeMsg,
-    key_problem,
 )
+from ..protocol.messages import Key, Msg, key_problem
 from ..protocol.serialize import forwarded
 from .coordination import GONE, PENDING, Coordination, Value
 from .events import ReleaseKeysEvent, RemoveClientEvent, UpdateGraphEvent

@@ -16,6 +16,8 @@ import inspect
 import logging
 from typing import Any
 
+from ..statelog import transitions_since
+
 __all__ = ["SchedulerPlugin", "call_async", "call_hook", "tell_plugins"]
 
 logger = logging.getLogger("shoal.scheduler")
@@ -103,11 +105,5 @@ def tell_plugins(scheduler: Any, event: Any, instructions: list[Any], last: Any)
         if isinstance(inst, CloseWorkerStream):
             call_hook(plugins, "remove_worker", scheduler=scheduler, worker=inst.worker,
                       stimulus_id=inst.stimulus_id)
-    log = scheduler.state.log.transitions
-    new = []
-    for entry in reversed(log):
-        if entry is last:
-            break
-        new.append(entry)
-    for key, start, finish, stimulus_id in reversed(new):
+    for key, start, finish, stimulus_id in transitions_since(scheduler.state.log.transitions, last):
         call_hook(plugins, "transition", key, start, finish, stimulus_id=stimulus_id)

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
+from ..statelog import transitions_since
+
 from ..protocol import Serialize, Serialized, deserialize
 
 if TYPE_CHECKING:
@@ -76,12 +78,7 @@ def tell_transitions(plugins: dict[str, Any], log: Any, last: Any) -> None:
     """Call each plugin's ``transition`` for the transitions in ``log`` (a state
     machine's ``log.transitions``) after ``last`` (the newest before the ``handle()``
     call that made them; None: all), oldest first; what a plugin raises is logged."""
-    new = []
-    for t in reversed(log):
-        if t is last:
-            break
-        new.append(t)
-    for key, start, finish, stimulus_id in reversed(new):
+    for key, start, finish, stimulus_id in transitions_since(log, last):
         for name, plugin in list(plugins.items()):
             hook = getattr(plugin, "transition", None)
             if hook is None:

@@ -18,7 +18,6 @@ requests are served from the loop while tasks compute.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import os
@@ -36,6 +35,7 @@ from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
+from ..protocol.resources import check_resources
 from ..protocol.messages import (
     SCHEDULER_TO_WORKER,
     WORKER_REQUESTS,
@@ -46,9 +46,8 @@ from ..protocol.messages import (
     PluginAddMsg,
     SegmentRef,
     decode,
-    resources_problem,
 )
-from ..taskspec import RunSpec, run
+from ..taskspec import RunSpec, run, takes_parameter
 from . import actor, context, upload
 from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
 from .store import WorkerStore
@@ -98,7 +97,7 @@ class Worker:
                  resources: dict[str, float] | None = None):
         if nthreads < 1:
             raise ValueError(f"nthreads must be at least 1, got {nthreads}")
-        resources = _checked_resources(resources)
+        resources = check_resources(resources)
         #: abstract resources this worker offers
         self.resources = resources
         self.scheduler_address = scheduler_address
@@ -612,7 +611,7 @@ class Worker:
         ``dask_worker`` parameter gets this worker in it, as in dask.distributed."""
         function, args, kwargs = (v.data if isinstance(v, Serialize) else v for v in (function, args, kwargs))
         kwargs = dict(kwargs or {})
-        if "dask_worker" not in kwargs and _takes_dask_worker(function):
+        if "dask_worker" not in kwargs and takes_parameter(function, "dask_worker"):
             kwargs["dask_worker"] = self
         result = function(*(args or ()), **kwargs)
         if asyncio.iscoroutine(result):
@@ -656,26 +655,3 @@ class Worker:
         """Wait until the worker has closed."""
         assert self._stopped is not None
         await asyncio.shield(self._stopped)
-
-
-def _takes_dask_worker(function: Any) -> bool:
-    try:
-        return "dask_worker" in inspect.signature(function).parameters
-    except (TypeError, ValueError):  # no signature (some builtins)
-        return False
-
-
-def _checked_resources(resources: Any) -> dict[str, float]:
-    """``resources`` as ``{name: amount}``; ``TypeError``/``ValueError`` for anything else."""
-    if resources is None:
-        return {}
-    if not isinstance(resources, dict):
-        raise TypeError(f"resources must be a dict of name -> amount, e.g. {{'GPU': 2}}, got {resources!r:.100}")
-    for name, amount in resources.items():
-        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise TypeError(f"resources: expected str -> number, got {name!r:.60} -> {amount!r:.60}")
-    checked = {name: float(amount) for name, amount in resources.items()}
-    problem = resources_problem(checked)
-    if problem is not None:
-        raise ValueError(f"resources: {problem}")
-    return checked
