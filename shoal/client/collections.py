@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import graphs
 from .future import Future
-from .options import TaskOptions, apply_annotations, context_annotations
+from .options import TaskOptions, apply_annotations, call_options
 
 if TYPE_CHECKING:
     from .client import Client
@@ -51,7 +51,7 @@ class DaskCollections:
         from dask._expr import FinalizeCompute
         from dask.base import collections_to_expr
 
-        options = _call_options(workers, resources, priority, retries, allow_other_workers)
+        options = call_options(workers, resources, priority, retries, allow_other_workers)
 
         single = not isinstance(collections, (list, tuple))
         colls = [collections] if single else list(collections)
@@ -89,7 +89,7 @@ class DaskCollections:
         import dask
         from dask.base import collections_to_expr
 
-        options = _call_options(workers, resources, priority, retries, allow_other_workers)
+        options = call_options(workers, resources, priority, retries, allow_other_workers)
 
         single = not isinstance(collections, (list, tuple))
         colls = [collections] if single else list(collections)
@@ -120,7 +120,7 @@ class DaskCollections:
         lists of keys), so ``dask.compute(x, scheduler=client.get)`` works. Raises
         ``KeyError`` for a requested key not in the graph and :class:`GraphError` for a
         cycle."""
-        options = _call_options(workers, resources, priority, retries, allow_other_workers)
+        options = call_options(workers, resources, priority, retries, allow_other_workers)
         return self._sync(self._get, dsk, keys, options)
 
     async def _get(self, dsk: Any, keys: Any, options: TaskOptions | None = None) -> Any:
@@ -135,14 +135,6 @@ class DaskCollections:
                 f.release()
         by_key = dict(zip(flat_keys, values))
         return graphs.pack(keys, by_key)
-
-
-def _call_options(workers: Any, resources: Any, priority: Any, retries: Any, allow_other_workers: Any) -> TaskOptions:
-    """A call's options over those of the enclosing ``with dask.annotate(...)``
-    (callable annotations there are resolved per key with the graph's own)."""
-    explicit = TaskOptions(workers, resources, priority, retries, allow_other_workers)
-    context = {k: v for k, v in context_annotations().items() if not callable(v)}
-    return TaskOptions.of(context).merged(explicit) if context else explicit
 
 
 def _annotations(graph: Any) -> dict[str, dict[Any, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..protocol.resources import check_resources as checked_resources
 
-__all__ = ["TaskOptions", "apply_annotations", "context_annotations"]
+__all__ = ["TaskOptions", "apply_annotations", "call_options", "context_annotations", "worker_restrictions"]
 
 #: the annotations the scheduler acts on (dask's names); others are kept by dask only
 _KNOWN = ("priority", "resources", "workers", "retries", "allow_other_workers")
@@ -104,9 +104,9 @@ def context_annotations() -> dict[str, Any]:
 def apply_annotations(tasks: list[dict[str, Any]], per_key: Mapping[str, Mapping[Any, Any]],
                       explicit: TaskOptions) -> None:
     """Set the fields of graph ``tasks`` from dask annotations: the graph's per-key ones
-    (``per_key``: annotation -> {key: value}, as ``__dask_annotations__()`` gives them;
-    callables of the context are called with the key) over the options of the call
-    (``explicit``, which already hold the context's annotations)."""
+    (``per_key``: annotation -> {key: value}, as ``__dask_annotations__()`` gives them)
+    over the options of the call (``explicit``, from :func:`call_options`: they hold
+    the context's annotations, less those that are callables)."""
     base = explicit.fields
     per_key = {k: v for k, v in per_key.items() if k in _KNOWN and v}
     for task in tasks:
@@ -119,6 +119,20 @@ def apply_annotations(tasks: list[dict[str, Any]], per_key: Mapping[str, Mapping
             task.update(fields)
 
 
-def resolve_callables(annotations: dict[str, Any], key: Any) -> dict[str, Any]:
-    """Context annotations may be callables of the key (dask allows it)."""
-    return {k: (v(key) if callable(v) else v) for k, v in annotations.items()}
+def call_options(workers: Any = None, resources: Any = None, priority: Any = 0, retries: Any = 0,
+                 allow_other_workers: Any = False, key: Any = None,
+                 context: dict[str, Any] | None = None) -> TaskOptions:
+    """A call's options over those of the enclosing ``with dask.annotate(...)``
+    (``context``: those annotations, when the caller has them already). Annotations
+    that are callables of the key are called with ``key``; without one (a graph's
+    options, shared by its tasks) they are left out."""
+    explicit = TaskOptions(workers, resources, priority, retries or 0, allow_other_workers)
+    if context is None:
+        context = context_annotations()
+    if not context:
+        return explicit
+    if key is None:
+        context = {k: v for k, v in context.items() if not callable(v)}
+    else:
+        context = {k: (v(key) if callable(v) else v) for k, v in context.items()}
+    return TaskOptions.of(context).merged(explicit) if context else explicit

@@ -17,7 +17,7 @@ from .. import config
 from ..protocol import sizeof, to_serialize
 from ..taskspec import RunSpec, check_serializable, key_name, tokenize, unique_token, validate_key
 from .future import Future
-from .options import TaskOptions, context_annotations, resolve_callables
+from .options import TaskOptions, call_options, context_annotations
 from .structure import replace_futures
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Submitting:
         if key is None:
             key = f"{key_name(func)}-{tokenize(func, args, kwargs) if pure else unique_token()}"
         validate_key(key)
-        options = self._options(key, workers, resources, priority, retries, allow_other_workers)
+        options = call_options(workers, resources, priority, retries, allow_other_workers, key)
         task = self._make_task(key, func, args, kwargs, options)
         future = Future(key, self._self)
         self._self._submit_tasks([task], [key])
@@ -100,29 +100,20 @@ class Submitting:
                 keys = [f"{prefix}-{unique_token()}" for _ in arg_tuples]
         context = context_annotations()
         per_key = any(callable(v) for v in context.values())
-        options = None if per_key else self._options(None, workers, resources, priority, retries,
-                                                     allow_other_workers, context)
+        options = None if per_key else call_options(workers, resources, priority, retries, allow_other_workers,
+                                                    None, context)
         tasks = []
         futures = []
         for k, args in zip(keys, arg_tuples):
             validate_key(k)
-            opts = options or self._options(k, workers, resources, priority, retries, allow_other_workers, context)
+            opts = options if options is not None else call_options(
+                workers, resources, priority, retries, allow_other_workers, k, context)
             tasks.append(self._make_task(k, func, args, kwargs, opts))
             futures.append(Future(k, self._self))
         step = batch_size or len(tasks) or 1
         for i in range(0, len(tasks), step):
             self._self._submit_tasks(tasks[i:i + step], keys[i:i + step])
         return futures
-
-    def _options(self, key: Any, workers: Any, resources: Any, priority: Any, retries: Any,
-                 allow_other_workers: Any, context: dict[str, Any] | None = None) -> TaskOptions:
-        """The call's options over those of ``with dask.annotate(...)``."""
-        explicit = TaskOptions(workers, resources, priority, retries or 0, allow_other_workers)
-        if context is None:
-            context = context_annotations()
-        if not context:
-            return explicit
-        return TaskOptions.of(resolve_callables(context, key)).merged(explicit)
 
     def _make_task(self, key: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                    options: TaskOptions) -> dict[str, Any]:
@@ -163,7 +154,7 @@ class Submitting:
         if key is None:
             key = f"{key_name(cls)}-{unique_token()}"  # every actor is its own object
         validate_key(key)
-        options = self._options(key, workers, None, 0, 0, False)
+        options = call_options(workers, key=key)
         task = self._make_task(key, make_actor, (cls, *args), kwargs, options)
         future = Future(key, self._self)
         self._self._submit_tasks([task], [key])
