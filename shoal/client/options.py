@@ -63,6 +63,10 @@ class TaskOptions:
         return out
 
 
+#: the options of a call that sets none (shared: nobody changes a TaskOptions' fields)
+_NONE = TaskOptions()
+
+
 def worker_restrictions(workers: Any) -> list[str] | None:
     """``workers=`` (an address, worker name or host, or a collection of them) as a
     list (``None``: anywhere)."""
@@ -126,9 +130,12 @@ def call_options(workers: Any = None, resources: Any = None, priority: Any = 0, 
     (``context``: those annotations, when the caller has them already). Annotations
     that are callables of the key are called with ``key``; without one (a graph's
     options, shared by its tasks) they are left out."""
-    explicit = TaskOptions(workers, resources, priority, retries or 0, allow_other_workers)
     if context is None:
         context = context_annotations()
+    if (workers is None and not resources and not priority and not retries and not allow_other_workers
+            and not context):
+        return _NONE  # the common call: nothing to check
+    explicit = TaskOptions(workers, resources, priority, retries or 0, allow_other_workers)
     if not context:
         return explicit
     if key is None:

@@ -561,10 +561,15 @@ class WorkerState:
         starts first. (How many that can be is bounded by the scheduler: it gives a
         worker at most ``nthreads * (1 + ahead)`` tasks.)"""
         ready = self.ready
+        worst = None
         while ready:
             while ready and not self._live(ready[0], False):
                 heapq.heappop(ready)
-            if not ready or not ready[0] < max(self.executing):
+            if not ready:
+                return
+            if worst is None:
+                worst = max(self.executing)  # stays the worst: only more urgent ones join
+            if not ready[0] < worst:
                 return
             ts = heapq.heappop(ready)
             self._set_state(ts, "executing")
