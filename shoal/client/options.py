@@ -63,10 +63,6 @@ class TaskOptions:
         return out
 
 
-#: the options of a call that sets none (shared: nobody changes a TaskOptions' fields)
-_NONE = TaskOptions()
-
-
 def worker_restrictions(workers: Any) -> list[str] | None:
     """``workers=`` (an address, worker name or host, or a collection of them) as a
     list (``None``: anywhere)."""
@@ -143,3 +139,7 @@ def call_options(workers: Any = None, resources: Any = None, priority: Any = 0, 
     else:
         context = {k: (v(key) if callable(v) else v) for k, v in context.items()}
     return TaskOptions.of(context).merged(explicit) if context else explicit
+
+
+#: the options of a call that sets none (shared: nobody changes a TaskOptions' fields)
+_NONE = TaskOptions()
