@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import dask.array as da
@@ -102,16 +103,31 @@ def test_one_bar_for_all_tasks_with_multi_false(client):
     assert {p: v[:2] for p, v in _bars(out.getvalue()).items()} == {"tasks": (5, 5)}
 
 
-def test_complete_false_leaves_out_what_was_done_already(client):
+def test_complete_false_leaves_out_what_was_done_already(client, tmp_path):
     x = client.map(double, range(50, 54))
     shoal.wait(x)
-    total = client.submit(sum, x)
+    gate = tmp_path / "go"
+    # held until progress has drawn its bar (else it could be done before progress looks)
+    total = client.submit(wait_for_file, str(gate), x)
     out = io.StringIO()
-    progress(total, complete=False, file=out)
-    assert {p: v[:2] for p, v in _bars(out.getvalue()).items()} == {"sum": (1, 1)}
+    opener = threading.Thread(target=_open_when, args=(gate, lambda: "wait_for_file" in out.getvalue()))
+    opener.start()
+    try:
+        progress(total, complete=False, file=out)
+    finally:
+        opener.join()
+    assert {p: v[:2] for p, v in _bars(out.getvalue()).items()} == {"wait_for_file": (1, 1)}
     out = io.StringIO()
     progress(total, file=out)  # complete=True (the default) counts them
-    assert {p: v[:2] for p, v in _bars(out.getvalue()).items()} == {"double": (4, 4), "sum": (1, 1)}
+    assert {p: v[:2] for p, v in _bars(out.getvalue()).items()} == {"double": (4, 4), "wait_for_file": (1, 1)}
+
+
+def _open_when(gate, ready, timeout: float = 30.0) -> None:
+    """Create ``gate`` once ``ready()`` holds (or after ``timeout``: the task goes on)."""
+    deadline = time.monotonic() + timeout
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    gate.touch()
 
 
 def test_a_persisted_dask_array_is_accepted(client):
