@@ -53,7 +53,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
 
     ``address`` is a scheduler address or a ``LocalCluster``; with neither, the client
     starts a ``LocalCluster`` of its own (``n_workers``, ``threads_per_worker``,
-    ``processes``) and closes it on :meth:`close`.
+    ``processes`` and any other keyword of :class:`~shoal.LocalCluster`) and closes it
+    on :meth:`close`.
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         security: Security | None = None,
         set_as_default: bool = True,
         name: str | None = None,
+        **cluster_kwargs: Any,
     ):
         self.id = f"{name or 'client'}-{uuid.uuid4().hex[:12]}"
         #: while open, dask's ``.compute()``/``.persist()`` and ``get_client()`` use it
@@ -75,8 +77,12 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         #: the cluster's credentials (None: the cluster's, or found for the address)
         self.security = security
         self._address_arg = address
+        if cluster_kwargs and address is not None:
+            raise TypeError(f"Client() got keywords for a cluster of its own ({', '.join(sorted(cluster_kwargs))}) "
+                            "with an address: pass them to LocalCluster instead")
         self._cluster_kwargs: dict[str, Any] = {
             "n_workers": n_workers, "threads_per_worker": threads_per_worker, "processes": processes,
+            **cluster_kwargs,
         }
         self.asynchronous = asynchronous
         self.timeout = timeout

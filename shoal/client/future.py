@@ -171,6 +171,10 @@ class Future:
         """Whether the task has finished, erred or been cancelled."""
         return self._state.status in _FINAL
 
+    def cancelled(self) -> bool:
+        """Whether the task was cancelled."""
+        return self._state.status == "cancelled"
+
     def result(self, timeout: float | None = None) -> Any:
         """The task's value (waits for it). Raises the task's exception (same type,
         with the worker's traceback as a note), :class:`~shoal.CancelledError` if it was
@@ -304,11 +308,14 @@ def _client_of(futures: list[Future]) -> Client:
     return futures[0].client
 
 
-def wait(futures: Iterable[Future], timeout: float | None = None, return_when: str = "ALL_COMPLETED") -> Any:
-    """Wait until all (``ALL_COMPLETED``) or any (``FIRST_COMPLETED``) of the futures are
+def wait(futures: Any, timeout: float | None = None, return_when: str = "ALL_COMPLETED") -> Any:
+    """Wait until all (``ALL_COMPLETED``) or any (``FIRST_COMPLETED``) of the futures (a
+    future, containers of them, persisted dask collections: :func:`futures_of`) are
     done; return ``DoneAndNotDone(done, not_done)`` sets. Raises ``TimeoutError``.
     On an asynchronous client this returns an awaitable."""
-    futures = list(futures)
+    from .structure import futures_of
+
+    futures = futures_of(futures)
     if return_when not in ("ALL_COMPLETED", "FIRST_COMPLETED"):
         raise ValueError(f"return_when must be ALL_COMPLETED or FIRST_COMPLETED, got {return_when!r}")
     if not futures:

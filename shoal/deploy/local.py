@@ -45,6 +45,8 @@ class LocalCluster:
     asynchronous=True)`` starts it on the running loop instead of a thread of its own.
 
     ``resources`` (``{"GPU": 2}``): the abstract resources each worker offers.
+    ``dashboard_address`` is accepted for dask's sake (no dashboard yet);
+    ``silence_logs`` (a level, or True for warnings) sets the level of shoal's loggers.
     ``workers`` is ``{name: worker}``: :class:`~shoal.worker.server.Worker` objects
     in-process, :class:`~.processes.WorkerProcess` handles with processes; names are
     ``worker-0``, ``worker-1``, ... ``scale(n)`` and ``adapt(minimum=, maximum=)``
@@ -56,11 +58,17 @@ class LocalCluster:
 
     def __init__(self, n_workers: int = 2, threads_per_worker: int = 1, processes: bool = True,
                  host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0,
-                 security: Security | None = None, resources: dict[str, float] | None = None):
+                 security: Security | None = None, resources: dict[str, float] | None = None,
+                 dashboard_address: str | None = None, silence_logs: int | bool | None = None):
         if not isinstance(n_workers, int) or n_workers < 0:
             raise ValueError(f"n_workers must be an integer >= 0, got {n_workers!r}")
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        #: accepted for dask's sake: shoal has no dashboard yet (issue 14)
+        self.dashboard_address = dashboard_address
+        if silence_logs:
+            # as dask: shoal's loggers show only this level and above (True: warnings)
+            logging.getLogger("shoal").setLevel(logging.WARNING if silence_logs is True else int(silence_logs))
         self.n_workers = n_workers
         self.threads_per_worker = threads_per_worker
         self.processes = processes

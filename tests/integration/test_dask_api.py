@@ -405,3 +405,31 @@ def test_an_actor_handle_travels_into_tasks(client):
 def test_actor_needs_a_class(client):
     with pytest.raises(TypeError, match="class"):
         client.submit(lambda: 1, actor=True)
+
+
+# ------------------------------------------------------------ small dask idioms
+
+
+def test_future_cancelled_and_wait_on_a_persisted_collection(client):
+    f = client.submit(_gate, "/nonexistent-never-read", pure=False, resources={"NOWHERE": 1})
+    assert not f.cancelled()
+    f.cancel()
+    assert f.cancelled()
+    x = client.persist(da.ones(100, chunks=10))
+    done, not_done = shoal.wait(x)
+    assert len(done) == 10 and not not_done
+
+
+def test_client_passes_cluster_keywords_to_its_own_cluster():
+    with Client(n_workers=1, processes=False, threads_per_worker=2, dashboard_address=":0",
+                resources={"GPU": 1}) as client:
+        assert client.cluster.dashboard_address == ":0"
+        assert client.submit(kwargs_of, resources={"GPU": 1}).result(timeout=30) == {}
+        assert list(client.nthreads().values()) == [2]
+    with pytest.raises(TypeError, match="n_wrkers"):
+        Client(n_wrkers=1, processes=False)
+
+
+def test_cluster_keywords_with_an_address_are_refused(cluster):
+    with pytest.raises(TypeError, match="LocalCluster"):
+        Client(cluster.scheduler_address, resources={"GPU": 1})
