@@ -173,6 +173,12 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         self._reader = asyncio.ensure_future(self._read_scheduler(comm))
         if config.get("heartbeat-interval") > 0:
             self._heartbeats = asyncio.ensure_future(send_heartbeats(self._stream, config.get("heartbeat-interval")))
+        if comm.destination == SAME_PROCESS and self.cluster is None:
+            # a scheduler of this process reached by its address (a task's client in an
+            # in-process cluster): tasks are pickled only if a worker is elsewhere (one
+            # that joins later and cannot take them fails them on the way, as any hop)
+            info = await self._scheduler_rpc().scheduler_info()
+            self._pickles_tasks = any(not str(w).startswith("inproc://") for w in info.get("workers") or ())
         self.status = "running"
         if self.set_as_default:
             set_default(self)

@@ -433,3 +433,15 @@ def test_client_passes_cluster_keywords_to_its_own_cluster():
 def test_cluster_keywords_with_an_address_are_refused(cluster):
     with pytest.raises(TypeError, match="LocalCluster"):
         Client(cluster.scheduler_address, resources={"GPU": 1})
+
+
+def test_a_task_in_one_process_submits_what_cannot_be_pickled(cluster, client):
+    def submit_a_lock():
+        lock = threading.Lock()
+        return shoal.get_client().submit(lambda v: v is lock, lock).result(timeout=30)
+
+    if cluster.processes:
+        with pytest.raises(shoal.SerializationError, match="lock"):
+            client.submit(submit_a_lock, pure=False).result(timeout=30)
+    else:  # the task's client shares the process with every worker: nothing is pickled
+        assert client.submit(submit_a_lock, pure=False).result(timeout=30) is True
