@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..protocol import to_serialize
 from ..rpc import PooledRPC
 from ..worker.actor import ActorRef
+from ..worker.context import waiting
 from .future import _unwrap
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ class ActorFuture(BaseActorFuture):
         """The method's return value; raises what it raised, ``TimeoutError``."""
         if self._client.asynchronous:
             return self._future
-        return self._future.result(timeout)
+        with waiting():
+            return self._future.result(timeout)
 
     def done(self) -> bool:
         return bool(self._future.done())

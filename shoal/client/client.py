@@ -35,6 +35,7 @@ from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heart
 from ..taskspec import RunSpec, raise_serialization_error, tokenize, unique_token, validate_key
 from .cluster_ops import ClusterOps
 from .collections import DaskCollections
+from ..worker.context import waiting
 from .default import set_default, unset_default
 from .plugins import Plugins
 from .worker_plugins import WorkerPluginMethods
@@ -288,7 +289,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
             return fn(*args, **kwargs)
         if self._loop_thread is None:
             raise RuntimeError("this client is closed")
-        return self._loop_thread.run(fn(*args, **kwargs))
+        with waiting():  # a task that waits on the cluster gives its thread up meanwhile
+            return self._loop_thread.run(fn(*args, **kwargs))
 
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         loop = self.loop

@@ -14,6 +14,7 @@ from ..errors import CancelledError
 from ..protocol import Serialize, Serialized, deserialize
 from .tracebacks import traceback_from_text
 from ..worker.actor import ActorRef
+from ..worker.context import waiting
 
 
 def as_actor(value: Any, client: Client) -> Any:
@@ -183,8 +184,10 @@ class Future:
         st = self._state
         if not self.client.asynchronous:
             # wait in this thread; a small value that came with its report needs no loop
-            if not st.wait(timeout):
-                raise TimeoutError(f"{self!r} not done within {timeout}s")
+            if st.status not in _FINAL:
+                with waiting():  # a task that waits gives its thread up meanwhile
+                    if not st.wait(timeout):
+                        raise TimeoutError(f"{self!r} not done within {timeout}s")
             if st.status in ("error", "cancelled") and st.exception is not None:
                 raise st.exception
             if st.status == "finished" and st.has_value:
@@ -425,7 +428,8 @@ class as_completed:
             if self._pending == 0:
                 raise StopIteration
             self._pending -= 1
-        future = self._queue.get()
+        with waiting():
+            future = self._queue.get()
         if self.with_results:
             return future, future.result()
         return future

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .server import Worker
 
 __all__ = ["get_worker", "task_key", "task_client", "secede", "rejoin", "worker_client", "enter_task", "leave_task",
-           "seceded_at", "TaskServices"]
+           "seceded_at", "waiting", "TaskServices"]
 
 logger = logging.getLogger("shoal.worker")
 
@@ -90,6 +90,23 @@ def task_client(timeout: float | None = None) -> Any:
     (``OSError``/``TimeoutError`` after ``timeout`` seconds)."""
     worker = getattr(_local, "worker", None)
     return None if worker is None else worker.services.client(timeout)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a blocking wait of the calling thread (a future's result, a gather, a
+    dask ``.compute()``): a task that has not seceded leaves the thread pool for it
+    and rejoins after, so the tasks it waits for can have its thread (a one-thread
+    worker does not wait for itself). Anywhere else it does nothing."""
+    worker = getattr(_local, "worker", None)
+    if worker is None or worker.threads.seceded():
+        yield
+        return
+    secede()
+    try:
+        yield
+    finally:
+        rejoin()
 
 
 def secede() -> None:

@@ -445,3 +445,20 @@ def test_a_task_in_one_process_submits_what_cannot_be_pickled(cluster, client):
             client.submit(submit_a_lock, pure=False).result(timeout=30)
     else:  # the task's client shares the process with every worker: nothing is pickled
         assert client.submit(submit_a_lock, pure=False).result(timeout=30) is True
+
+
+def _compute_inside():
+    return float(da.ones(10, chunks=5).sum().compute())
+
+
+def _wait_on_a_subtask(x):
+    return shoal.get_client().submit(lambda v: v + 1, x, pure=False).result(timeout=30)
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_task_that_waits_on_the_cluster_gives_its_thread_up(processes):
+    """On one-thread workers: a task that calls .compute() or waits for a task it
+    submitted leaves the thread pool while it waits (no deadlock, no worker_client)."""
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=processes) as cluster, Client(cluster) as client:
+        assert client.submit(_compute_inside, pure=False).result(timeout=30) == 10.0
+        assert client.gather(client.map(_wait_on_a_subtask, range(3), pure=False)) == [1, 2, 3]
