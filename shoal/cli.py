@@ -6,15 +6,17 @@ import argparse
 import asyncio
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, NoReturn
+from typing import Any
 
-__all__ = ["main"]
+from ._signals import CLOSE_TIMEOUT, Signals as _Signals, closing as _closing
+
+__all__ = ["main", "CLOSE_TIMEOUT"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -126,15 +128,26 @@ def _scheduler(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if not args.no_nanny and not args.nanny_address:
+        return _nannies(args)
     if args.nworkers > 1:
         return _worker_group(args)
     signals = _Signals()
     from .comm import shm
     from .comm.core import parse_address
     from .errors import ShoalError
+    from .worker.memory import parse_memory_limit
+    from .worker.nanny import EXIT_GAVE_UP, die_with_parent
     from .worker.reconnect import keep_joined
     from .worker.server import Worker
 
+    if args.nanny_address:
+        die_with_parent()  # (after _Signals: a SIGTERM from the kernel closes it cleanly)
+    if args.work_dir:
+        # its nanny removes it after the process exits; this process does if it leaves
+        # at once on a second signal while its nanny is gone too
+        signals.at_exit_now(shutil.rmtree, args.work_dir, True)
+    memory_limit = parse_memory_limit(args.memory_limit, args.nworkers)
     scheme = parse_address(args.address)[0]
     # found again for each connection: a scheduler that comes back made a new secret
     explicit = args.no_auth or args.auth_file or os.environ.get("SHOAL_AUTH") or os.environ.get("SHOAL_AUTH_FILE")
@@ -153,11 +166,16 @@ def _worker(args: argparse.Namespace) -> int:
     def shut_down() -> bool:
         return had_file[0] and auth_path is not None and not os.path.exists(auth_path)
 
+    made: list[Worker] = []
+
     def make_worker() -> Worker:
         had_file[0] = auth_path is not None and os.path.exists(auth_path)
-        return Worker(args.address, nthreads=args.nthreads, name=args.name or "",
-                      listen_address=f"{scheme}://{_hostport(args.host, 0)}",
-                      security=first if explicit else security(), resources=args.resources)
+        made[:] = [Worker(args.address, nthreads=args.nthreads, name=args.name or "",
+                          listen_address=f"{scheme}://{_hostport(args.host, 0)}",
+                          security=first if explicit else security(), resources=args.resources,
+                          memory_limit=memory_limit, local_directory=args.local_directory or None,
+                          work_dir=args.work_dir or None, nanny=args.nanny_address)]
+        return made[0]
 
     async def serve(worker: Worker) -> bool:
         try:
@@ -179,13 +197,17 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         signals.run(run)
         code = result[0] if result else 0
+        if code == 1 and args.nanny_address and not (made and made[0].broken):
+            code = EXIT_GAVE_UP  # no scheduler (any more): its nanny does not start it again
     except (ShoalError, OSError) as exc:
         # the expected ways to fail (no scheduler, a refused secret, a taken port): one line
         _say(f"{type(exc).__name__}: {exc}")
-        code = 1
+        code = EXIT_GAVE_UP if args.nanny_address else 1
     except Exception:
         traceback.print_exc()  # a bug: what the interpreter would print, without its exit (below)
         code = 1
+    if args.work_dir:
+        shutil.rmtree(args.work_dir, ignore_errors=True)  # (its nanny sees from this that it closed as asked)
     # every segment the worker owns goes now: results, scattered and fetched values kept
     # in the segments they came in, its pool, transfers not taken yet by their peers
     # (some only a finalizer would have removed, and none runs below)
@@ -217,18 +239,11 @@ def _worker_group(args: argparse.Namespace) -> int:
     that this process alone gets a Ctrl-C and stops them in order. A first SIGINT or
     SIGTERM is passed on to them as SIGTERM (they close), another one kills them.
     Returns 0 when every one exited with 0, else 1; a worker that exits is not
-    replaced."""
-    argv = [sys.executable, "-m", "shoal", "worker", args.address, "--nthreads", str(args.nthreads),
-            "--host", args.host, "--death-timeout", repr(args.death_timeout)]
-    if args.resources:
-        from .deploy.processes import format_resources
+    replaced (``--no-nanny``)."""
+    from .worker.memory import parse_memory_limit
 
-        argv += ["--resources", format_resources(args.resources)]
-    for flag in ("auth_file", "tls_ca_file", "tls_cert", "tls_key"):
-        if getattr(args, flag):
-            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
-    if args.no_auth:
-        argv.append("--no-auth")
+    limit = parse_memory_limit(args.memory_limit, args.nworkers)
+    argv = [*_child_argv(args), "--memory-limit", str(limit or 0)]
     children: list[subprocess.Popen[bytes]] = []
     signalled = 0
 
@@ -250,119 +265,77 @@ def _worker_group(args: argparse.Namespace) -> int:
     return 0 if all(c == 0 for c in codes) else 1
 
 
-#: how long a closing scheduler or worker may take to say goodbye to its peers before
-#: it leaves anyway (its segments are removed after that, whatever happened)
-CLOSE_TIMEOUT = 5.0
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """``python -m shoal worker ADDRESS --no-nanny`` with the options of ``args`` that
+    each worker process takes as they are (not its name, memory limit or directories)."""
+    argv = [sys.executable, "-m", "shoal", "worker", args.address, "--no-nanny", "--nthreads", str(args.nthreads),
+            "--host", args.host, "--death-timeout", repr(args.death_timeout)]
+    if args.local_directory:
+        argv += ["--local-directory", args.local_directory]
+    if args.resources:
+        from .deploy.processes import format_resources
+
+        argv += ["--resources", format_resources(args.resources)]
+    for flag in ("auth_file", "tls_ca_file", "tls_cert", "tls_key"):
+        if getattr(args, flag):
+            argv += ["--" + flag.replace("_", "-"), getattr(args, flag)]
+    if args.no_auth:
+        argv.append("--no-auth")
+    return argv
 
 
-async def _closing(close: Coroutine[Any, Any, None], what: str) -> None:
-    """Await ``close`` (of ``what``), for :data:`CLOSE_TIMEOUT` seconds at most."""
-    try:
-        await asyncio.wait_for(close, CLOSE_TIMEOUT)
-    except asyncio.TimeoutError:
-        print(f"shoal: {what} did not close within {CLOSE_TIMEOUT}s; leaving anyway", file=sys.stderr, flush=True)
+def _nannies(args: argparse.Namespace) -> int:
+    """``shoal worker`` (without ``--no-nanny``): this process is the nanny of
+    ``--nworkers`` worker processes (:class:`~shoal.worker.nanny.Nanny`: restarted when
+    they die or pass their memory limit), each with its part of ``--memory-limit``. A
+    SIGTERM or SIGINT stops them and then this process. Returns 0 when it stopped as
+    asked (a signal, or the workers were told to close), 1 when a nanny gave up or the
+    workers found no scheduler."""
+    signals = _Signals()
+    from .comm.security import Security
+    from .worker.memory import parse_memory_limit
+    from .worker.nanny import Nanny
 
+    limit = parse_memory_limit(args.memory_limit, args.nworkers)
+    explicit = args.no_auth or args.auth_file or os.environ.get("SHOAL_AUTH") or os.environ.get("SHOAL_AUTH_FILE")
+    tls = {"ca_file": args.tls_ca_file, "cert": args.tls_cert, "key": args.tls_key}
+    if args.no_auth:
+        sec: Any = Security(auth=False, **tls)  # (the worker processes warn about it)
+    elif explicit:
+        sec = _security_from(args, args.address)
+    else:
+        # the scheduler's auth file for this port, looked at again: a scheduler that
+        # comes back writes a new one
+        def sec() -> Any:
+            return _security_from(args, args.address)
+    argv = _child_argv(args)
+    codes: list[int] = []
 
-class _Signals:
-    """SIGTERM and SIGINT of a ``shoal scheduler`` or ``shoal worker`` process, for its
-    whole life. The first asks it to close: :meth:`wait` returns, or, while it still
-    starts (a worker waiting for its scheduler), the start is given up. Another one
-    while it closes makes it leave at once (:func:`_exit_now`). Either way the process
-    removes every shared-memory segment it owns before it exits, and exits with 0: it
-    stopped as it was asked.
+    async def all_finished(nannies: list[Nanny]) -> None:
+        for n in nannies:
+            await n.finished()
 
-    Python-level handlers, not the event loop's: those go with the loop, and then a
-    SIGTERM (default action) during the last clean-up, after the loop, would kill the
-    process with its segments left in /dev/shm. uvloop wakes up for them (it watches
-    the signal wake-up fd), so a signal is seen at once while the loop waits; asyncio's
-    own loop, when the main thread gets it (Linux gives it that thread first).
-    """
-
-    def __init__(self) -> None:
-        self.received = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._main: asyncio.Future[Any] | None = None
-        self._stop: asyncio.Future[None] | None = None
-        self._at_exit_now: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-
-    def at_exit_now(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Have ``fn(*args)`` called should the process leave at once (it must take no
-        lock: it runs in a signal handler)."""
-        self._at_exit_now.append((fn, args))
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received += 1
-        if self.received > 1:
-            _exit_now(f"a second signal ({signal.Signals(signum).name}) while closing", self._at_exit_now)
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._stop_now)
-            except RuntimeError:
-                pass  # the loop has closed: the clean-up after it runs already
-
-    def _stop_now(self) -> None:
-        if self._stop is not None:
-            if not self._stop.done():
-                self._stop.set_result(None)
-        elif self._main is not None:
-            self._main.cancel()  # still starting: give up
-
-    def run(self, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``main()`` on a new event loop until it returns, or a signal ended its
-        start. Raises what it raises."""
-
-        async def run() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._main = asyncio.current_task()
-            if not self.received:  # not signalled before the loop ran
-                await main()
-
+    async def run() -> None:
+        started: list[Nanny] = []
         try:
-            _run(run())
-        except asyncio.CancelledError:
-            if not self.received:
-                raise
-
-    async def wait(self, *also: Awaitable[Any]) -> bool:
-        """Wait for a signal, or until one of ``also`` is done; returns whether a
-        signal came."""
-        self._stop = asyncio.get_running_loop().create_future()
-        if self.received:  # before this was waited for
-            return True
-        others = {asyncio.ensure_future(a) for a in also}
-        try:
-            await asyncio.wait({self._stop, *others}, return_when=asyncio.FIRST_COMPLETED)
+            for i in range(args.nworkers):
+                name = f"{args.name}-{i}" if args.name and args.nworkers > 1 else args.name
+                nanny = Nanny([*argv, *(["--name", name] if name else [])], scheduler_address=args.address,
+                              name=name, memory_limit=limit, directory=args.local_directory or None,
+                              host=args.host, security=sec, say=_say)
+                await nanny.start()
+                started.append(nanny)
+            await signals.wait(all_finished(started))
         finally:
-            for other in others:
-                other.cancel()
-        return bool(self.received)
+            await asyncio.gather(*(n.close() for n in started))
+            codes.extend([await n.finished() for n in started])
 
-    def rearm(self) -> bool:
-        """Starting again (a worker that lost its scheduler waits for it): a signal
-        from now on gives that up, as during the first start. Returns whether a
-        signal came already."""
-        if self.received:
-            return True
-        self._stop = None
-        return False
-
-
-def _exit_now(why: str, cleanups: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> NoReturn:
-    """Leave at once (from a signal handler): this process's segments are removed by
-    their names (:func:`.shm.sweep` takes no lock: the handler may have interrupted
-    code that holds one), then ``cleanups`` run."""
-    from .comm import shm
-
-    shm.sweep(os.getpid())
-    for fn, args in cleanups:
-        try:
-            fn(*args)
-        except Exception:
-            pass
-    os.write(2, f"shoal: {why}: exiting now\n".encode())
-    os._exit(0)
+    try:
+        signals.run(run)
+    except OSError as exc:  # a taken port, a local directory that cannot be made
+        _say(f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0 if signals.received or all(c == 0 for c in codes) else 1
 
 
 def _hostport(host: str, port: int) -> str:
@@ -422,6 +395,16 @@ def _resources_argument(text: str) -> dict[str, float]:
         return parse_resources(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"bad --resources {text!r}: {exc}") from None
+
+
+def _memory_limit_argument(text: str) -> str:
+    from .worker.memory import parse_memory_limit
+
+    try:
+        parse_memory_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad --memory-limit {text!r}: {exc}") from None
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -504,6 +487,21 @@ def parser() -> argparse.ArgumentParser:
                              "(it is joined again when it comes back at ADDRESS); a scheduler that tells its "
                              "workers to close is obeyed at once. 0: no waiting")
     worker.add_argument("--host", default="127.0.0.1", help="interface to listen on for peers (a free port)")
+    worker.add_argument("--memory-limit", type=_memory_limit_argument, default="auto", metavar="LIMIT",
+                        help="memory of each worker: a size (4GiB, 500MB, bytes), a fraction of the host's "
+                             "memory (0.5), auto (the host's memory, or its cgroup's limit, divided among "
+                             "--nworkers) or 0 (none). Values beyond 60%% of it spill to disk, past 80%% the "
+                             "worker pauses, past 95%% its nanny restarts it")
+    worker.add_argument("--local-directory", default="", metavar="DIR",
+                        help="where each worker makes its own directory for spilled values (default: "
+                             "SHOAL_LOCAL_DIRECTORY, else the system's temporary directory)")
+    worker.add_argument("--no-nanny", action="store_true",
+                        help="run the worker in this process, without a nanny that restarts it when it dies "
+                             "or passes its memory limit")
+    worker.add_argument("--work-dir", default="", metavar="DIR",
+                        help="the worker's own directory, made by its nanny (set by the nanny; not for users)")
+    worker.add_argument("--nanny-address", default="", metavar="ADDRESS",
+                        help="the address of the nanny that started this worker (set by the nanny)")
     _security_arguments(worker)
     worker.set_defaults(func=_worker)
     return p

@@ -75,6 +75,24 @@ _DEFAULTS: dict[str, Any] = {
     # tasks a worker hands its thread pool beyond one per thread (their inputs all
     # here), so a thread goes from one task to the next without the event loop
     "executor-queue": 1,
+    # a worker's memory thresholds, as fractions of its memory limit (0: that rule is
+    # off): values beyond the target (by their sizes) move to disk; past spill of the
+    # process's memory it spills down to the target; past pause it starts no task and no
+    # fetch; past terminate its nanny restarts it
+    "memory-target": 0.6,
+    "memory-spill": 0.7,
+    "memory-pause": 0.8,
+    "memory-terminate": 0.95,
+    # seconds between two looks at a worker's process memory (by the worker, and by its
+    # nanny for the terminate rule)
+    "memory-monitor-interval": 0.1,
+    # where workers keep their spilled values (a directory of their own under it);
+    # "" is the system's temporary directory
+    "local-directory": "",
+    # a nanny stops restarting its worker after more than this many crashes (deaths
+    # that were not asked for, memory past terminate) within nanny-restart-window seconds
+    "nanny-max-restarts": 5,
+    "nanny-restart-window": 60.0,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

@@ -182,7 +182,7 @@ class FuturesSession(Session):
 class ShoalSession(FuturesSession):
     system = "shoal"
 
-    def __init__(self, processes: bool = True, tls: bool = False):
+    def __init__(self, processes: bool = True, tls: bool = False, memory_limit: Any = None):
         import shoal
 
         self.module = shoal
@@ -190,8 +190,10 @@ class ShoalSession(FuturesSession):
             self.system = "shoal-tls"
         # shoal-tls: the same cluster over tls:// (mutual TLS with a throw-away CA)
         security = shoal.Security.temporary() if tls else None
+        # memory_limit None: LocalCluster's default ("auto", as dask's)
+        limit = {} if memory_limit is None else {"memory_limit": memory_limit}
         self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1",
-                                          security=security)
+                                          security=security, **limit)
         self.client: Any = None
         self.workers = []
         try:
@@ -223,7 +225,7 @@ def shoal_bytes_served(client: Any) -> dict[str, str]:
 class DaskSession(FuturesSession):
     system = "dask"
 
-    def __init__(self, processes: bool = True, saturation: float | None = None):
+    def __init__(self, processes: bool = True, saturation: float | None = None, memory_limit: Any = None):
         import dask
         import distributed
 
@@ -239,7 +241,9 @@ class DaskSession(FuturesSession):
             # in-process, dask talks over inproc://, whose addresses are not host:port:
             # host="127.0.0.1" makes its scheduler fail to start ("not enough values to
             # unpack" in inproc.validate_address), so it is passed with processes only
-            host = {"host": "127.0.0.1"} if processes else {}
+            host: dict[str, Any] = {"host": "127.0.0.1"} if processes else {}
+            if memory_limit is not None:
+                host["memory_limit"] = memory_limit
             self.cluster = distributed.LocalCluster(
                 n_workers=2, threads_per_worker=1, processes=processes, dashboard_address=None, **host
             )
@@ -356,7 +360,7 @@ class RaySession(Session):
 
 def open_session(system: str, processes: bool = True, **kwargs: Any) -> Session:
     if system in ("shoal", "shoal-tls"):
-        return ShoalSession(processes=processes, tls=system == "shoal-tls")
+        return ShoalSession(processes=processes, tls=system == "shoal-tls", **kwargs)
     if system == "dask":
         return DaskSession(processes=processes, **kwargs)
     if system == "ray":

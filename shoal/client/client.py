@@ -45,6 +45,9 @@ from .future import Future, FutureState, _unwrap, as_actor
 from .options import worker_restrictions
 from .structure import collect_futures, rebuild, rebuild_exception
 
+#: the bytes a gather asks of one worker in one request, at most (one value may be more)
+GATHER_BATCH_BYTES = 64 << 20
+
 __all__ = ["Client"]
 
 logger = logging.getLogger("shoal.client")
@@ -435,7 +438,9 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         if st is None:
             return
         if op == "key-in-memory":
-            st.finish(msg.get("workers") or [], msg.get("shm"), msg.get("value"), "value" in msg)
+            nbytes = msg.get("nbytes")
+            st.finish(msg.get("workers") or [], msg.get("shm"), msg.get("value"), "value" in msg,
+                      nbytes if type(nbytes) is int else 0)
         elif op == "task-erred":
             st.set_error(rebuild_exception(msg), msg.get("traceback") if isinstance(msg.get("traceback"), str) else None)
         elif op == "cancelled-key":
@@ -567,7 +572,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
                     if holders:
                         by_worker.setdefault(holders[0], []).append(k)
             results = await asyncio.gather(
-                *(self._get_data(w, keys) for w, keys in by_worker.items()), return_exceptions=True
+                *(self._get_data_batched(w, keys) for w, keys in by_worker.items()), return_exceptions=True
             )
             for (w, keys), res in zip(by_worker.items(), results):
                 if isinstance(res, BaseException):
@@ -593,6 +598,27 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
                 out.append(None)
             else:
                 out.append(st.exception)
+        return out
+
+    async def _get_data_batched(self, worker: str, keys: list[Any]) -> dict[Any, Any]:
+        """:meth:`_get_data` in requests of at most :data:`GATHER_BATCH_BYTES` each (by
+        the sizes the workers reported), one after the other: a worker reads spilled
+        values back from disk to send them, and must not hold them all at once."""
+        batches: list[list[Any]] = [[]]
+        size = 0
+        for k in keys:
+            st = self._states.get(k)
+            n = st.nbytes if st is not None else 0
+            if batches[-1] and size + n > GATHER_BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(k)
+            size += n
+        if len(batches) == 1:
+            return await self._get_data(worker, keys)
+        out: dict[Any, Any] = {}
+        for batch in batches:
+            out.update(await self._get_data(worker, batch))
         return out
 
     async def _get_data(self, worker: str, keys: list[Any]) -> dict[Any, Any]:

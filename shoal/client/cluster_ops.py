@@ -10,8 +10,9 @@ dropped only afterwards and only by the scheduler, which never drops the last on
 
 Where shoal differs from dask: ``run_on_scheduler`` runs only when the scheduler lives
 in this process (a :class:`~shoal.LocalCluster` this client was given or started),
-since a scheduler never unpickles what clients send; ``restart`` needs such a cluster
-too (workers started with ``shoal worker`` have no supervisor to start them again).
+since a scheduler never unpickles what clients send. ``restart`` starts new workers
+through the cluster object when there is one, else through the workers' nannies
+(``shoal worker`` runs each worker under one unless ``--no-nanny``).
 """
 
 from __future__ import annotations
@@ -333,10 +334,11 @@ class ClusterOps:
         """Restart every worker (new processes, or new Worker objects in this
         process) and cancel every future of every client (their ``result()`` raises
         :class:`~shoal.CancelledError`); the cluster keeps its size. Waits for the
-        workers to be back unless ``wait_for_workers=False``. Raises ``TimeoutError``
-        after ``timeout``, and ``RuntimeError`` without a cluster object to restart
-        the workers (a client given a scheduler address: ``shoal worker`` processes
-        have no supervisor that would start them again)."""
+        workers to be back unless ``wait_for_workers=False``. Without a cluster object
+        (a client given a scheduler address) the workers' nannies restart them. Raises
+        ``TimeoutError`` after ``timeout``, and ``RuntimeError`` when a worker has no
+        nanny and there is no cluster object (``shoal worker --no-nanny``), or a nanny
+        failed."""
         return self._this_client._sync(self._restart, _seconds(timeout), wait_for_workers)
 
     async def _restart(self, timeout: float | None, wait_for_workers: bool) -> None:
@@ -344,11 +346,7 @@ class ClusterOps:
         cluster = me.cluster
         restart_workers = getattr(cluster, "_restart_workers", None)
         if restart_workers is None:
-            raise RuntimeError(
-                f"restart() needs the cluster object to start new workers: this client was given the "
-                f"address {me.scheduler_address} and workers started with `shoal worker` have no "
-                "supervisor to start them again. Connect with Client(cluster) to a LocalCluster, or "
-                "restart the worker processes yourself.")
+            return await self._restart_by_nannies(timeout, wait_for_workers)
         n = len(cluster.workers)
         me._flush_outbox()  # what was submitted before the restart is cancelled with the rest
         await me._scheduler_rpc().restart(client=me.id)
@@ -369,6 +367,42 @@ class ClusterOps:
             await asyncio.wait_for(asyncio.shield(work), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"the workers did not restart within {timeout}s") from None
+
+    async def _restart_by_nannies(self, timeout: float | None, wait_for_workers: bool) -> None:
+        """``restart()`` without a cluster object: the scheduler has each worker's nanny
+        restart it (``restart-workers``). Workers without a nanny (``shoal worker
+        --no-nanny``) are a ``RuntimeError``, raised before anything is cancelled."""
+        me = self._this_client
+        scheduler = me._scheduler_rpc()
+        workers = (await scheduler.identity())["workers"]
+        without = sorted(a for a, w in workers.items() if not w.get("nanny"))
+        if without:
+            raise RuntimeError(
+                f"restart() needs a supervisor to start each worker again (its nanny, or the cluster "
+                f"object), and {len(without)} of the {len(workers)} workers of {me.scheduler_address} have "
+                f"none (`shoal worker --no-nanny`, or a cluster of threads given by its address): "
+                f"{', '.join(without[:5])}{', ...' if len(without) > 5 else ''}. Connect with "
+                "Client(cluster) to a LocalCluster, start the workers without --no-nanny, or restart the "
+                "worker processes yourself.")
+        me._flush_outbox()  # what was submitted before the restart is cancelled with the rest
+        await scheduler.restart(client=me.id)
+        with me._lock:
+            states = list(me._states.values())
+            me._states.clear()  # futures made from now on start afresh
+        for st in states:
+            st.cancel("the cluster was restarted")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            result = await asyncio.wait_for(scheduler.restart_workers(timeout=timeout), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the workers did not restart within {timeout}s") from None
+        if result["errors"]:
+            raise RuntimeError("restart(): these nannies could not restart their workers: " + "; ".join(
+                f"{nanny}: {why}" for nanny, why in sorted(result["errors"].items())))
+        if wait_for_workers and workers:
+            left = None if timeout is None else max(timeout - (loop.time() - start), 0.0)
+            await scheduler.wait_for_workers(n_workers=len(workers), timeout=left)
 
     def upload_file(self, filename: str, load: bool = True) -> Any:
         """Send the local file ``filename`` (``.py``, ``.zip`` or ``.egg``) to every

@@ -53,7 +53,7 @@ class FutureState:
     """
 
     __slots__ = ("key", "status", "exception", "traceback", "tb", "workers", "shm", "value", "has_value",
-                 "_event", "_callbacks", "_waiter")
+                 "nbytes", "_event", "_callbacks", "_waiter")
 
     def __init__(self, key: Any):
         self.key = key
@@ -69,6 +69,8 @@ class FutureState:
         #: the value itself, when the scheduler passed it along (small results)
         self.value: Any = None
         self.has_value = False
+        #: the value's size as its worker measured it (0: not known)
+        self.nbytes = 0
         self._event: asyncio.Event | None = None
         self._callbacks: list[Callable[[], None]] = []
         #: made for the first thread that waits (most futures never have one)
@@ -105,9 +107,11 @@ class FutureState:
         for cb in callbacks:
             cb()
 
-    def finish(self, workers: list[str], shm: Any = None, value: Any = None, has_value: bool = False) -> None:
+    def finish(self, workers: list[str], shm: Any = None, value: Any = None, has_value: bool = False,
+               nbytes: int = 0) -> None:
         self.status = "finished"
         self.workers = list(workers)
+        self.nbytes = nbytes
         self.shm = shm
         self.value, self.has_value = value, has_value
         self.exception = self.traceback = self.tb = None

@@ -52,7 +52,10 @@ __all__ = [
     "process_gone",
 ]
 
-SHM_DIR = "/dev/shm"
+#: where segments live: a tmpfs shared by the processes of this host (``SHOAL_SHM_DIR``
+#: for another one, e.g. a small tmpfs of a test; every process of a cluster on this
+#: host must use the same one: the handshake's probe finds out whether they do)
+SHM_DIR = os.environ.get("SHOAL_SHM_DIR") or "/dev/shm"
 PREFIX = "shoal-"
 _ALIGN = 64
 _MAGIC = b"SHOALSEG"

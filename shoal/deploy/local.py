@@ -2,8 +2,9 @@
 (``processes=False``, over ``inproc://``) or workers as processes of their own
 (``processes=True``, over ``tcp://`` on ``host``). The scheduler always lives in this
 process, on the cluster's event loop; so does the cluster's bookkeeping (scaling,
-:mod:`adaptive <.adaptive>` scaling, replacing worker processes that died), which
-reads the scheduler's state directly.
+:mod:`adaptive <.adaptive>` scaling), which reads the scheduler's state directly, and
+each worker process's :class:`~shoal.worker.nanny.Nanny` (restarting it when it dies
+or passes its memory limit, ``client.restart()``).
 
 How a process with worker processes ends on SIGTERM: :mod:`.processes`. What
 ``get_logs()`` returns: :mod:`.logs`.
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,11 +27,13 @@ from .._loop import LoopThread
 from ..comm import security, shm
 from ..comm.security import Security
 from ..scheduler.server import Scheduler
+from ..worker.memory import parse_memory_limit
+from ..worker.nanny import Nanny
 from ..worker.server import Worker
 from . import processes as _procs
 from .adaptive import Adaptive, retirable, retirement_order
 from .logs import ClusterLogs
-from .processes import WorkerProcess, check_resources, reap, spawn_worker
+from .processes import WorkerProcess, check_resources, reap, worker_argv
 
 __all__ = ["LocalCluster"]
 
@@ -41,10 +45,18 @@ _RETIRE_TIMEOUT = 10.0
 
 class LocalCluster:
     """``LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-    host="127.0.0.1", resources=None)``; a context manager. ``await LocalCluster(...,
-    asynchronous=True)`` starts it on the running loop instead of a thread of its own.
+    host="127.0.0.1", resources=None, memory_limit="auto", local_directory=None)``; a
+    context manager. ``await LocalCluster(..., asynchronous=True)`` starts it on the
+    running loop instead of a thread of its own.
 
     ``resources`` (``{"GPU": 2}``): the abstract resources each worker offers.
+    ``memory_limit``: each worker's (bytes, ``"4GiB"``, a fraction of the host's
+    memory, ``"auto"``: the host's memory divided among ``n_workers``, or 0/None:
+    none; see :func:`~shoal.worker.memory.parse_memory_limit`). ``local_directory``:
+    where workers make their directories for spilled values (default: the
+    ``local-directory`` setting, else the system's temporary directory). Worker
+    processes run under nannies in this process, which start them again when they die
+    or pass their memory limit (``restarts`` counts it).
     ``dashboard_address`` is accepted for dask's sake (no dashboard yet);
     ``silence_logs`` (a level, or True for warnings) sets the level of shoal's loggers.
     ``workers`` is ``{name: worker}``: :class:`~shoal.worker.server.Worker` objects
@@ -59,9 +71,13 @@ class LocalCluster:
     def __init__(self, n_workers: int = 2, threads_per_worker: int = 1, processes: bool = True,
                  host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0,
                  security: Security | None = None, resources: dict[str, float] | None = None,
-                 dashboard_address: str | None = None, silence_logs: int | bool | None = None):
+                 dashboard_address: str | None = None, silence_logs: int | bool | None = None,
+                 memory_limit: Any = "auto", local_directory: str | None = None):
         if not isinstance(n_workers, int) or n_workers < 0:
             raise ValueError(f"n_workers must be an integer >= 0, got {n_workers!r}")
+        #: each worker's memory limit in bytes (None: none)
+        self.memory_limit = parse_memory_limit(memory_limit, max(n_workers, 1))
+        self.local_directory = local_directory
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         #: accepted for dask's sake: shoal has no dashboard yet (issue 14)
@@ -89,7 +105,6 @@ class LocalCluster:
         self.status = "created"
         self.local_address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._watcher: asyncio.Future[None] | None = None
         self._env: dict[str, str] = {}
         #: how many workers scale() asked for; the next worker's number
         self._target = n_workers
@@ -98,8 +113,10 @@ class LocalCluster:
         self._correction: asyncio.Future[None] | None = None
         self._adaptive: Adaptive | None = None
         self._logs = ClusterLogs(files=processes)
-        #: worker processes started again after one died
+        #: worker processes started again after one died (by their nannies)
         self.restarts = 0
+        #: the nannies of the worker processes, by name (those being retired included)
+        self._nannies: dict[str, Nanny] = {}
         self._loop_thread: LoopThread | None = None
         if not asynchronous:
             if processes:
@@ -187,8 +204,6 @@ class LocalCluster:
             _procs.handle_sigterm()
         async with self._scaling:
             await self._add_workers(self._target)
-        if self.processes:
-            self._watcher = asyncio.ensure_future(self._watch_processes())
         self.status = "running"
         return self
 
@@ -219,7 +234,8 @@ class LocalCluster:
         if not self.processes:
             for name in names:
                 w = Worker(self.scheduler.address, nthreads=self.threads_per_worker, name=name,
-                           security=self.security, resources=self.resources)
+                           security=self.security, resources=self.resources, memory_limit=self.memory_limit,
+                           local_directory=self.local_directory)
                 try:
                     with self._logs.owned_by(name):
                         await w.start()
@@ -231,17 +247,43 @@ class LocalCluster:
                 self._logs.note(f"started {name} at {w.address}")
             return
         for name in names:
-            self.workers[name] = WorkerProcess(name, self._spawn(name), self._logs.path(name))
+            await self._start_nanny(name)
         await self._wait_joined(names)
         for name in names:
             h = self.workers.get(name)
             if h is not None:
                 self._logs.note(f"started {name} (pid {h.pid}) at {h.address}")
 
-    def _spawn(self, name: str) -> subprocess.Popen[bytes]:
+    async def _start_nanny(self, name: str) -> None:
+        """Start the nanny of worker process ``name`` (a new one in place of one that
+        ended), which starts the process; ``workers[name]`` is its handle."""
         assert self.scheduler is not None
-        return spawn_worker(self.scheduler.address, name, self.threads_per_worker, self.host, self.resources,
-                            self._env, self._logs.path(name))
+        argv = worker_argv(self.scheduler.address, name, self.threads_per_worker, self.host, self.resources,
+                           self.local_directory)
+
+        def spawned(proc: subprocess.Popen[bytes]) -> None:
+            h = self.workers.get(name) or self._retiring.get(name)
+            if h is not None and h.nanny is nanny:
+                h.proc, h.address = proc, ""
+
+        def crashed(proc: subprocess.Popen[bytes], code: int) -> None:
+            self.restarts += 1
+            self._logs.note(f"{name} (pid {proc.pid}) exited with code {code}; starting it again")
+
+        def say(line: str) -> None:  # a worker past its memory limit, a nanny that gives up
+            self._logs.note(line)
+            logger.warning("%s", line)
+
+        nanny = Nanny(argv, scheduler_address=self.scheduler.address, name=name, memory_limit=self.memory_limit,
+                      directory=self.local_directory, host=self.host, security=self.security, env=self._env,
+                      log_path=self._logs.path(name), say=say, on_spawn=spawned, on_crash=crashed)
+        old = self._nannies.get(name)
+        self._nannies[name] = nanny
+        if old is not None:
+            await old.close(5.0)
+        await nanny.start()
+        assert nanny.proc is not None
+        self.workers[name] = WorkerProcess(name, nanny.proc, self._logs.path(name), nanny=nanny)
 
     async def _wait_joined(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -259,20 +301,6 @@ class LocalCluster:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{len(waiting)} of {len(names)} worker(s) did not join within {self.timeout}s")
             await asyncio.sleep(0.05)  # polling child exit codes and the scheduler's workers
-
-    async def _watch_processes(self) -> None:
-        """Reap worker processes that die while the cluster runs, remove the shared
-        memory they leave behind, and start a replacement (as a nanny would)."""
-        while self.status == "running":
-            await asyncio.sleep(0.2)  # a periodic check, not a wait for a condition
-            for name, h in list(self.workers.items()):
-                if self.status != "running" or name not in self.workers or h.proc.poll() is None:
-                    continue  # (retired meanwhile: it is not started again)
-                shm.sweep(h.pid)
-                self.restarts += 1
-                self._logs.note(f"{name} (pid {h.pid}) exited with code {h.proc.returncode}; starting it again")
-                h.proc = self._spawn(name)
-                h.address = ""
 
     # -- scaling
 
@@ -358,10 +386,11 @@ class LocalCluster:
         handles = {name: self.workers.pop(name) for name in names}
         self._retiring.update(handles)  # closed by close() should that come first
         if self.processes:
-            for h in handles.values():
-                if h.proc.poll() is None:
-                    h.proc.terminate()  # the worker closes as for a Ctrl-C: it tells the scheduler first
-            await asyncio.gather(*(reap(h.proc, 5.0) for h in handles.values()))
+            # each worker closes as for a Ctrl-C (it tells the scheduler first), and its
+            # nanny with it
+            await asyncio.gather(*(h.nanny.close(5.0) for h in handles.values()))
+            for name in handles:
+                self._nannies.pop(name, None)
         else:
             await asyncio.gather(*(w.close() for w in handles.values()))
             for w in handles.values():
@@ -376,13 +405,21 @@ class LocalCluster:
 
     async def _restart_workers(self) -> None:
         """Stop every worker and start one of the same name in its place (a new
-        process, or a new Worker object), for ``Client.restart``; returns once they
-        have joined. Raises as :meth:`_add_workers` does."""
+        process, by its nanny; or a new Worker object), for ``Client.restart``; returns
+        once they have joined. Raises as :meth:`_add_workers` does."""
         assert self._scaling is not None
         async with self._scaling:
             names = list(self.workers)
-            await self._retire(names)
-            await self._add_workers(len(names), names)
+            if not self.processes:
+                await self._retire(names)
+                await self._add_workers(len(names), names)
+                return
+            running = [name for name in names if self._nannies[name].status == "running"]
+            for name in names:
+                if name not in running:  # its nanny gave up: a new one
+                    await self._start_nanny(name)
+            await asyncio.gather(*(self._nannies[name].restart(timeout=5.0) for name in running))
+            await self._wait_joined(names)
 
     def adapt(self, minimum: int = 0, maximum: float = math.inf, minimum_cores: int | None = None,
               maximum_cores: int | None = None, interval: float | str = "1s", wait_count: int = 3,
@@ -485,12 +522,19 @@ class LocalCluster:
                 p.kill()
                 p.wait()
             shm.sweep(p.pid)
+        for nanny in self._nannies.values():
+            if nanny.work_dir:
+                shutil.rmtree(nanny.work_dir, ignore_errors=True)  # (a worker killed above left it)
         self._logs.close()
         _procs.running.discard(self)
 
     def _remove_files_now(self) -> None:
-        """The cluster's files go at once (the process leaves on a second SIGTERM)."""
+        """The cluster's files go at once (the process leaves on a second SIGTERM), and
+        the directories of its worker processes (killed: they could not)."""
         self._logs.remove_files()
+        for nanny in self._nannies.values():
+            if nanny.work_dir:
+                shutil.rmtree(nanny.work_dir, ignore_errors=True)
 
     async def _close(self) -> None:
         if self.status == "closed":
@@ -498,9 +542,8 @@ class LocalCluster:
         self.status = "closing"
         if self._adaptive is not None:
             self._adaptive.stop()
-        for task in (self._watcher, self._correction):
-            if task is not None:
-                task.cancel()
+        if self._correction is not None:
+            self._correction.cancel()
         if self.scheduler is not None:
             await self.scheduler.close()
             if self._auth_file:
@@ -509,6 +552,9 @@ class LocalCluster:
         for w in [*self.workers.values(), *self._retiring.values()]:
             if isinstance(w, Worker):
                 await w.close(report=False)
+        # the scheduler told the worker processes to close: their nannies end with them
+        # (or stop them) and remove what they left
+        await asyncio.gather(*(n.close(5.0) for n in self._nannies.values()))
         await asyncio.gather(*(reap(p, 5.0) for p in self.procs))
         self.status = "closed"
         self._logs.close()

@@ -1,6 +1,7 @@
-"""Worker processes of a :class:`~.local.LocalCluster`: starting them (``python -m shoal
-worker``, their output to a log file of the cluster), stopping and reaping them, and
-how a process that has such workers ends on SIGTERM.
+"""Worker processes of a :class:`~.local.LocalCluster`: their command (``python -m shoal
+worker``, run by a :class:`~shoal.worker.nanny.Nanny` of the cluster's process, their
+output to a log file of the cluster), reaping them, and how a process that has such
+workers ends on SIGTERM.
 
 A process with a cluster of worker processes ends cleanly on SIGTERM as on Ctrl-C:
 the signal becomes an exception in the main thread (``SystemExit(143)``), so ``with``
@@ -27,20 +28,24 @@ from typing import Any, NoReturn, Protocol
 from ..comm import shm
 from ..protocol.resources import check_resources as checked_resources
 
-__all__ = ["WorkerProcess", "spawn_worker", "reap", "format_resources"]
+__all__ = ["WorkerProcess", "worker_argv", "reap", "format_resources"]
 
 
 class WorkerProcess:
     """A worker process of a cluster (the values of ``LocalCluster.workers`` with
-    ``processes=True``): its ``name``, ``pid``, ``proc`` (the ``subprocess.Popen``),
-    ``log_path`` (its stdout and stderr) and ``address`` (its worker's, once it has
-    joined the scheduler; ``""`` before)."""
+    ``processes=True``): its ``name``, ``pid``, ``proc`` (the ``subprocess.Popen``; a
+    new one after its nanny restarted it), ``log_path`` (its stdout and stderr),
+    ``address`` (its worker's, once it has joined the scheduler; ``""`` before),
+    ``nanny`` (the :class:`~shoal.worker.nanny.Nanny`, or None) and ``nanny_pid``
+    (the process its nanny runs in: the cluster's)."""
 
-    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: str):
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], log_path: str, nanny: Any = None):
         self.name = name
         self.proc = proc
         self.log_path = log_path
         self.address = ""
+        self.nanny = nanny
+        self.nanny_pid = os.getpid() if nanny is not None else 0
 
     @property
     def pid(self) -> int:
@@ -68,20 +73,20 @@ def check_resources(resources: Any) -> dict[str, float]:
     return out
 
 
-def spawn_worker(scheduler_address: str, name: str, nthreads: int, host: str, resources: dict[str, float],
-                 env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
-    """Start ``python -m shoal worker`` for ``name``, its stdout and stderr appended to
-    ``log_path``. It leaves when its scheduler does (``--death-timeout 0``: the cluster
-    replaces workers, they need not wait for a scheduler that is this process)."""
+def worker_argv(scheduler_address: str, name: str, nthreads: int, host: str, resources: dict[str, float],
+                local_directory: str | None) -> list[str]:
+    """The command of the worker process ``name`` (its nanny adds its memory limit and
+    directories). It leaves when its scheduler does (``--death-timeout 0``: the
+    scheduler is the cluster's process, no worker need wait for it to come back).
+    The nanny starts it in a process group of its own, not signalled with this
+    process's group (a Ctrl-C): see the module."""
     args = [sys.executable, "-P", "-m", "shoal", "worker", scheduler_address,  # -P: see the cluster's PYTHONPATH
-            "--nthreads", str(nthreads), "--name", name, "--host", host, "--death-timeout", "0"]
+            "--no-nanny", "--nthreads", str(nthreads), "--name", name, "--host", host, "--death-timeout", "0"]
     if resources:
         args += ["--resources", format_resources(resources)]
-    with open(log_path, "ab") as log:  # the child has its own descriptor of it
-        return subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-            process_group=0,  # not signalled with this process's group (a Ctrl-C): see the module
-        )
+    if local_directory:
+        args += ["--local-directory", local_directory]
+    return args
 
 
 async def reap(p: subprocess.Popen[bytes], timeout: float) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "SCHEDULER_TO_CLIENT",
     "SCHEDULER_REQUESTS",
     "WORKER_REQUESTS",
+    "NANNY_REQUESTS",
     "HANDSHAKE",
     "ALL_OPS",
 ]
@@ -90,7 +91,9 @@ class RegisterWorkerMsg(Msg, tag="register-worker"):
     reply: bool = True
     #: abstract resources it offers (``{"GPU": 2}``): tasks that ask for them run only here
     resources: dict[str, float] = {}
-    optional: ClassVar[tuple[str, ...]] = ("resources",)
+    #: the address of the nanny that runs its process ("": none), for ``restart-workers``
+    nanny: str = ""
+    optional: ClassVar[tuple[str, ...]] = ("resources", "nanny")
 
 
 class TaskFinishedMsg(Msg, tag="task-finished"):
@@ -141,6 +144,19 @@ class LongRunningMsg(Msg, tag="long-running"):
 
 class HeartbeatMsg(Msg, tag="heartbeat"):
     pass
+
+
+class WorkerMemoryMsg(Msg, tag="worker-memory"):
+    """A worker's memory (bytes), every heartbeat interval and when it pauses or goes on:
+    the scheduler places no task on a paused worker."""
+
+    limit: int = 0  # 0: none
+    managed: int = 0
+    shm: int = 0
+    spilled: int = 0
+    unmanaged: int = 0
+    process: int = 0
+    paused: bool = False
 
 
 class UnregisterMsg(Msg, tag="unregister"):
@@ -440,8 +456,29 @@ class UploadFileMsg(Msg, tag="upload-file"):
     reply: bool = True
 
 
+class RestartWorkersMsg(Msg, tag="restart-workers"):
+    """To the scheduler: have the nanny of every worker restart it (``Client.restart``
+    of a cluster without a cluster object); ``timeout`` bounds the whole (nil: none)."""
+
+    timeout: float | None = None
+    reply: bool = True
+
+
 CLUSTER_OPS_REQUESTS = (WaitForWorkersMsg, HasWhatMsg, ProcessingMsg, VersionsMsg, RebalancePlanMsg,
-                        RemoveReplicasMsg, RestartMsg, UploadFileMsg)
+                        RemoveReplicasMsg, RestartMsg, RestartWorkersMsg, UploadFileMsg)
+
+
+class NannyRestartMsg(Msg, tag="nanny-restart"):
+    """To a nanny: stop its worker (killed after ``timeout`` seconds) and start a new one."""
+
+    timeout: float | None = None
+    reply: bool = True
+
+
+class NannyCloseMsg(Msg, tag="nanny-close"):
+    """To a nanny: stop its worker and end."""
+
+    reply: bool = True
 
 
 class GetDataMsg(Msg, tag="get-data"):
@@ -494,7 +531,7 @@ def _table(*types: type[Msg]) -> dict[str, type[Msg]]:
 
 HANDSHAKE = _table(HandshakeMsg, HandshakeAuthMsg, HandshakeShmMsg, HandshakeRefusedMsg)
 WORKER_TO_SCHEDULER = _table(TaskFinishedMsg, WorkerTaskErredMsg, MissingDataMsg, RescheduleMsg,
-                             LongRunningMsg, HeartbeatMsg, UnregisterMsg)
+                             LongRunningMsg, HeartbeatMsg, WorkerMemoryMsg, UnregisterMsg)
 SCHEDULER_TO_WORKER = _table(ComputeTaskMsg, FreeKeysMsg, CloseMsg, PluginAddMsg)
 CLIENT_TO_SCHEDULER = _table(UpdateGraphMsg, ReleaseKeysMsg, CancelKeysMsg, HeartbeatMsg, CloseClientMsg,
                              FireAndForgetMsg, *COORDINATION_STREAM)
@@ -505,12 +542,14 @@ SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateData
                             *CLUSTER_OPS_REQUESTS)
 WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,
                         ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg)
+NANNY_REQUESTS = _table(IdentityMsg, NannyRestartMsg, NannyCloseMsg)
 CONTROL = _table(LeaseAckMsg)
 
 #: every message struct, for the documentation check
 ALL_OPS: tuple[type[Msg], ...] = tuple(
     {t: None for table in (HANDSHAKE, CONTROL, WORKER_TO_SCHEDULER, SCHEDULER_TO_WORKER, CLIENT_TO_SCHEDULER,
-                           SCHEDULER_TO_CLIENT, SCHEDULER_REQUESTS, WORKER_REQUESTS) for t in table.values()}
+                           SCHEDULER_TO_CLIENT, SCHEDULER_REQUESTS, WORKER_REQUESTS, NANNY_REQUESTS)
+     for t in table.values()}
 )
 
 

@@ -190,6 +190,16 @@ class LongRunningEvent(Event):
     key: Key
 
 
+@dataclass
+class WorkerMemoryEvent(Event):
+    """``worker`` said how much memory it uses (bytes: limit, managed, shm, spilled,
+    unmanaged, process) and whether it is paused (then it gets no new task)."""
+
+    worker: str
+    memory: dict[str, int]
+    paused: bool = False
+
+
 #: the client name under which fire-and-forget keys are held until they end
 FIRE_AND_FORGET = "fire-and-forget"
 

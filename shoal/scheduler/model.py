@@ -41,6 +41,12 @@ class WorkerState:
     used_resources: dict[str, float] = field(default_factory=dict)
     #: the host part of its address (``workers=`` may name a host)
     ip: str = ""
+    #: the address of the nanny that runs its process ("": none; see ``restart-workers``)
+    nanny: str = ""
+    #: its memory passed its pause threshold: no task is placed there until it goes on
+    paused: bool = False
+    #: what it said of its memory last (``worker-memory``: limit, managed, shm, ...)
+    memory: dict[str, int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"

@@ -1,7 +1,8 @@
 """The scheduler's side of the client's cluster operations (:mod:`shoal.client.cluster_ops`):
 ``wait_for_workers``, ``has_what``, ``processing``, ``get_versions``, the plans of
 ``rebalance`` and the dropping of copies it (and ``replicate``) asks for, the
-cancelling half of ``restart``, and ``upload_file``.
+cancelling half of ``restart`` and the restart of workers through their nannies,
+and ``upload_file``.
 
 Nothing here deserializes anything: copies of values are made by the client (it fetches
 them and places them with ``update-data``); the scheduler only plans moves and, through
@@ -59,6 +60,7 @@ class SchedulerOps:
             "rebalance-plan": self.rebalance_plan,
             "remove-replicas": self.remove_replicas,
             "restart": self.restart,
+            "restart-workers": self.restart_workers,
             "upload-file": self.upload_file,
         }
 
@@ -142,6 +144,69 @@ class SchedulerOps:
             else:
                 sched._apply(CancelKeysEvent(stimulus, who, wanted[who]))
         logger.info("restart: cancelled the tasks of %d client(s)", len(wanted))
+
+    async def restart_workers(self, comm: Comm | None, timeout: float | None = None) -> dict[str, Any]:
+        """Have the nanny of each worker that has one restart it (``nanny-restart``),
+        and wait until every new worker process has registered, ``timeout`` seconds at
+        most in all (None: no limit). Returns ``{"restarted": n, "without_nanny":
+        [address], "errors": {nanny address: message}}`` (nannies that failed, or whose
+        worker did not join in time). Raises ``ValueError`` for a negative timeout."""
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout}")
+        sched = self.scheduler
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None or math.isinf(timeout) else loop.time() + timeout
+        workers = list(sched.state.workers.values())
+        nannies = sorted({ws.nanny for ws in workers if ws.nanny})
+        without = sorted(ws.address for ws in workers if not ws.nanny)
+        replies = await asyncio.gather(*(self._restart_one(n, deadline) for n in nannies))
+        errors = {n: r for n, r in zip(nannies, replies) if isinstance(r, str)}
+        pids = {n: r for n, r in zip(nannies, replies) if isinstance(r, int)}
+
+        def back() -> bool:  # each nanny's new process has joined
+            joined = {(ws.nanny, ws.pid) for ws in sched.state.workers.values()}
+            return all((n, pid) in joined for n, pid in pids.items())
+
+        try:
+            await asyncio.wait_for(self._workers_until(back), None if deadline is None else deadline - loop.time())
+        except asyncio.TimeoutError:
+            joined = {(ws.nanny, ws.pid) for ws in sched.state.workers.values()}
+            for n, pid in pids.items():
+                if (n, pid) not in joined:
+                    errors[n] = f"its new worker did not join within {timeout}s"
+        logger.info("restart-workers: %d restarted through their nannies, %d without one, %d failed",
+                    len(pids), len(without), len(errors))
+        return {"restarted": len(pids) - sum(1 for n in errors if n in pids), "without_nanny": without,
+                "errors": errors}
+
+    async def _workers_until(self, condition: Callable[[], bool]) -> None:
+        """Return once ``condition()`` holds, looked at each time a worker joins or leaves."""
+        sched = self.scheduler
+        while not condition():
+            # one event for every waiter: the first to see it set makes the next
+            if sched._workers_changed is None or sched._workers_changed.is_set():
+                sched._workers_changed = asyncio.Event()
+            await sched._workers_changed.wait()
+
+    async def _restart_one(self, nanny: str, deadline: float | None) -> int | str:
+        """``nanny-restart`` to ``nanny``: the new worker's pid, or what went wrong."""
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else max(deadline - loop.time(), 0.0)
+        try:
+            comm = await connect(nanny, deserialize=False, security=self.scheduler.security,
+                                 **({} if left is None else {"timeout": max(left, 0.1)}))
+        except (CommError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        try:
+            response = await asyncio.wait_for(request(comm, "nanny-restart"), left)
+        except (CommError, OSError, asyncio.TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            comm.abort()
+        result = response.get("result")
+        if response.get("status") != "OK" or not isinstance(result, dict) or not isinstance(result.get("pid"), int):
+            return f"{response.get('type')}: {response.get('message')}"
+        return int(result["pid"])
 
     # -- uploaded files
 

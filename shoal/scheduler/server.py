@@ -42,6 +42,7 @@ from ..protocol.messages import (
     FreeKeysMsg,
     HeartbeatMsg,
     LongRunningMsg,
+    WorkerMemoryMsg,
     MissingDataMsg,
     Msg,
     ReleaseKeysMsg,
@@ -75,6 +76,7 @@ from .state import (
     HeartbeatEvent,
     Instruction,
     LongRunningEvent,
+    WorkerMemoryEvent,
     MissingDataEvent,
     NewTask,
     ReleaseKeysEvent,
@@ -89,6 +91,11 @@ from .state import (
 )
 
 __all__ = ["Scheduler"]
+
+
+def _memory_figures(memory: dict[str, int]) -> dict[str, int]:
+    """A worker's memory as ``scheduler_info()`` shows it: every figure, 0 until it said."""
+    return {name: memory.get(name, 0) for name in ("limit", "managed", "shm", "spilled", "unmanaged", "process")}
 
 logger = logging.getLogger("shoal.scheduler")
 
@@ -217,7 +224,10 @@ class Scheduler:
             "total_threads": sum(ws.nthreads for ws in workers),
             "workers": {
                 ws.address: {"type": "Worker", "id": ws.name, "nthreads": ws.nthreads, "host": ws.host,
-                             "pid": ws.pid, "name": ws.name, "resources": dict(ws.resources), "status": "running"}
+                             "pid": ws.pid, "name": ws.name, "resources": dict(ws.resources),
+                             "status": "paused" if ws.paused else "running",
+                             "memory": _memory_figures(ws.memory), "memory_limit": ws.memory.get("limit", 0),
+                             "nanny": ws.nanny}
                 for ws in (workers if n_workers < 0 else workers[:n_workers])
             },
         }
@@ -258,7 +268,7 @@ class Scheduler:
 
     async def add_worker(self, comm: Comm, address: str, nthreads: int, host: str = "",
                          pid: int = 0, name: str = "", resources: dict[str, float] | None = None,
-                         **_: Any) -> None:
+                         nanny: str = "", **_: Any) -> None:
         if address in self.worker_streams:
             await _reply_error(comm, f"a worker at {address} is already registered")
             return
@@ -275,6 +285,8 @@ class Scheduler:
             await self.ops.worker_joins(address)  # files its tasks may import, before any task
         self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name,
                                    resources=dict(resources or {}), now=time.monotonic()))
+        if address in self.state.workers:
+            self.state.workers[address].nanny = nanny  # (restart-workers asks it)
         logger.info("worker %s joined (%d threads)", address, nthreads)
         self._notify_workers_changed()
         clean = False
@@ -350,6 +362,11 @@ class Scheduler:
                 self._apply(RescheduleEvent(sid, address, msg.key))
             case LongRunningMsg():
                 self._apply(LongRunningEvent(sid, address, msg.key))
+            case WorkerMemoryMsg():
+                memory = {"limit": msg.limit, "managed": msg.managed, "shm": msg.shm, "spilled": msg.spilled,
+                          "unmanaged": msg.unmanaged, "process": msg.process}
+                self._apply(WorkerMemoryEvent(sid, address, {k: max(int(v), 0) for k, v in memory.items()},
+                                              msg.paused))
             case HeartbeatMsg():
                 pass  # a sign of life, noted for the whole batch (_seen)
 

@@ -88,6 +88,7 @@ from .events import (
     TaskFinishedEvent,
     UpdateDataEvent,
     UpdateGraphEvent,
+    WorkerMemoryEvent,
 )
 from .liveness import expired, note_seen
 from .model import (
@@ -131,6 +132,7 @@ __all__ = [
     "CheckLivenessEvent",
     "FailKeysEvent",
     "FireAndForgetEvent",
+    "WorkerMemoryEvent",
     # instructions
     "ComputeTask",
     "FreeKeys",
@@ -190,6 +192,7 @@ class SchedulerState(TaskTransitions):
             CheckLivenessEvent: self._check_liveness,
             FailKeysEvent: self._fail_keys,
             FireAndForgetEvent: self._fire_and_forget,
+            WorkerMemoryEvent: self._worker_memory,
         }
 
     # -- entry point
@@ -505,7 +508,17 @@ class SchedulerState(TaskTransitions):
             return
         ws.long_running.add(ts)  # its slot is free: handle() fills it from the queue
 
+    def _worker_memory(self, ev: WorkerMemoryEvent) -> None:
+        ws = self.workers.get(ev.worker)
+        if ws is None:
+            return
+        ws.memory = ev.memory
+        # going on: handle() fills it from the queue after this event
+        ws.paused = ev.paused
+
     def _capacity(self, ws: WorkerState) -> int:
+        if ws.paused:
+            return 0  # its memory is past the pause threshold: no new task goes there
         # seceded tasks hold no thread: the tasks they wait for must find room
         return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing) + len(ws.long_running)
 

@@ -21,6 +21,8 @@ __all__ = [
     "UpdateDataEvent",
     "SecedeEvent",
     "RejoinEvent",
+    "PauseEvent",
+    "UnpauseEvent",
     "Instruction",
     "Execute",
     "Rejoin",
@@ -151,6 +153,17 @@ class RejoinEvent(Event):
     thread waits for the ``Rejoin`` instruction."""
 
     key: Key
+
+
+@dataclass
+class PauseEvent(Event):
+    """The worker's memory passed its pause threshold (or its disk is full): no task
+    starts and no fetch begins until :class:`UnpauseEvent`."""
+
+
+@dataclass
+class UnpauseEvent(Event):
+    """The worker's memory fell below its pause threshold: work goes on."""
 
 
 def _dropped(value: Any) -> Any:

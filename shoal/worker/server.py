@@ -21,7 +21,9 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -34,7 +36,7 @@ from .. import config
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, send_heartbeats, without_values
+from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, without_values
 from ..protocol.resources import check_resources
 from ..protocol.messages import (
     SCHEDULER_TO_WORKER,
@@ -50,6 +52,8 @@ from ..protocol.messages import (
 from ..taskspec import RunSpec, run, takes_parameter
 from . import actor, context, upload
 from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
+from .memory import Thresholds, parse_memory_limit
+from .monitor import MemoryMonitor, memory_report
 from .store import WorkerStore
 from .outcomes import (
     UNSENDABLE,
@@ -75,12 +79,19 @@ from .state import (
     GatherDepSuccessEvent,
     Instruction,
     Rejoin,
+    PauseEvent,
     SendMsg,
+    UnpauseEvent,
     UpdateDataEvent,
     WorkerState,
 )
 
 __all__ = ["Worker"]
+
+
+def _pooled_bytes() -> int:
+    """Bytes of the retired segments this process keeps for reuse."""
+    return sum(size for size, _ in shm.registry.pooled())
 
 logger = logging.getLogger("shoal.worker")
 
@@ -94,10 +105,21 @@ class Worker:
 
     def __init__(self, scheduler_address: str, nthreads: int = 1, name: str = "",
                  listen_address: str | None = None, security: Security | None = None,
-                 resources: dict[str, float] | None = None):
+                 resources: dict[str, float] | None = None, memory_limit: Any = None,
+                 local_directory: str | None = None, work_dir: str | None = None, nanny: str = ""):
         if nthreads < 1:
             raise ValueError(f"nthreads must be at least 1, got {nthreads}")
         resources = check_resources(resources)
+        #: bytes, or None: no limit (see :func:`shoal.worker.memory.parse_memory_limit`)
+        self.memory_limit = parse_memory_limit(memory_limit)
+        #: where this worker makes its own directory (spilled values); None: the
+        #: ``local-directory`` setting, else the system's temporary directory
+        self.local_directory = local_directory
+        #: the directory this worker owns, made for it by its nanny (None: it makes one
+        #: under ``local_directory`` at start and removes it when it closes)
+        self.work_dir = work_dir
+        #: the address of the nanny that runs this worker's process ("" : none)
+        self.nanny = nanny
         #: abstract resources this worker offers
         self.resources = resources
         self.scheduler_address = scheduler_address
@@ -141,6 +163,7 @@ class Worker:
         self._stopped: asyncio.Future[None] | None = None
         self.status = "created"
         self.store = WorkerStore()
+        self.monitor: MemoryMonitor | None = None
         self._shm_warned = False
         self.use_shm = False
         self._born_in_shm = False
@@ -175,7 +198,7 @@ class Worker:
         except BaseException:
             comm.abort()
             raise
-        self.store = WorkerStore()
+        self.store = self._make_store(own_process=comm.destination != SAME_PROCESS)
         self.state = WorkerState(self.address, self.nthreads, data=self.store,
                                  queued=config.get("executor-queue"),
                                  max_peer_failures=max(1, config.get("gather-peer-failures")),
@@ -186,6 +209,8 @@ class Worker:
         }
         if self.resources:
             register["resources"] = self.resources
+        if self.nanny:
+            register["nanny"] = self.nanny
         await comm.write(register)
         reply = await comm.read()
         if not isinstance(reply, dict) or reply.get("status") != "OK":
@@ -204,10 +229,82 @@ class Worker:
         self.stream = BatchedSend(name="to-scheduler", on_unsendable=without_values)
         self.stream.start(comm)
         self._spawn(self._read_scheduler(comm))
+        if self.monitor is not None and config.get("memory-monitor-interval") > 0:
+            self._spawn(self._watch_memory(config.get("memory-monitor-interval")))
+        # the memory report is this worker's heartbeat
+        self._report_memory()
         if config.get("heartbeat-interval") > 0:
-            self._spawn(send_heartbeats(self.stream, config.get("heartbeat-interval")))
+            self._spawn(self._report_memory_every(config.get("heartbeat-interval")))
         self.status = "running"
         return self
+
+    # -- memory (shoal.worker.monitor)
+
+    def _make_store(self, own_process: bool) -> WorkerStore:
+        """The store of this worker's values: with a memory limit, one that spills
+        past the target into a directory of this worker's own (``own_process``: no
+        other worker shares this process, so its memory is this worker's)."""
+        if self.memory_limit is None:
+            return WorkerStore()
+        if self.work_dir is None:
+            base = self.local_directory or config.get("local-directory") or tempfile.gettempdir()
+            os.makedirs(base, exist_ok=True)
+            self.work_dir = tempfile.mkdtemp(prefix="shoal-worker-", dir=base)
+        thresholds = Thresholds.from_config(self.memory_limit)
+        store = WorkerStore(target=thresholds.target, directory=os.path.join(self.work_dir, "spill"))
+        self.monitor = MemoryMonitor(store, thresholds, own_process, self._set_paused,
+                                     give_back=self._give_back_pool if own_process else None,
+                                     pooled=_pooled_bytes if own_process else None)
+        return store
+
+    def _give_back_pool(self) -> None:
+        if self.use_shm:
+            shm.work_off()
+            shm.drain_pool()
+
+    async def _watch_memory(self, interval: float) -> None:
+        assert self.monitor is not None
+        while self.status in ("created", "running"):
+            await asyncio.sleep(interval)
+            if self.status == "running" and not self.broken:
+                try:
+                    self.monitor.check()
+                except OSError as exc:  # /proc unreadable now (no descriptor left): the next look
+                    logger.debug("cannot read this process's memory: %s", describe(exc))
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused:
+            self.threads.hold()  # tasks handed ahead wait in the pool too
+        else:
+            self.threads.release()
+        self.handle_stimulus((PauseEvent if paused else UnpauseEvent)(self._stimulus("pause" if paused else "unpause")))
+        self._report_memory()
+
+    @property
+    def paused(self) -> bool:
+        return self.monitor is not None and self.monitor.paused
+
+    def memory(self) -> dict[str, int]:
+        """This worker's memory in bytes: ``limit`` (0: none), ``managed``, ``shm``,
+        ``spilled``, ``unmanaged``, ``process`` (:func:`shoal.worker.monitor.memory_report`)."""
+        own_process = self._scheduler_destination != SAME_PROCESS
+        return memory_report(self.store, self.memory_limit, own_process)
+
+    def _report_memory(self, lazy: bool = False) -> None:
+        """Tell the scheduler this worker's memory (``lazy``: with the next batch)."""
+        msg: dict[str, Any] = {"op": "worker-memory", **self.memory()}
+        if self.paused:
+            msg["paused"] = True
+        if self.stream is not None:
+            try:
+                self.stream.send(msg, lazy=lazy)
+            except CommError:
+                pass
+
+    async def _report_memory_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self._report_memory(lazy=True)
 
     async def _trim_pool(self, idle: float) -> None:
         """Give back the memory of retired segments that sat unused for ``idle`` seconds."""
@@ -581,8 +678,9 @@ class Worker:
 
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         assert self.state is not None
-        data = self.state.data
-        found = {k: data[k] for k in keys if k in data}
+        store = self.store
+        # a spilled value is read for the peer and stays on disk here
+        found = {k: store.peek(k) for k in keys if k in store}
         self._count(comm, sum(sizeof(v) for v in found.values()), found.values())
         return {"data": {k: to_serialize(v) for k, v in found.items()}}
 
@@ -647,6 +745,10 @@ class Worker:
         self.threads.shutdown()
         self.services.wake_all()
         self.store.clear()
+        if self.work_dir is not None:
+            # its spilled values go with it (a nanny removes it too, after a crash)
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.threads.release()
         self.status = "closed"
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)

@@ -55,6 +55,11 @@ started with) waits in ``ready`` until they are free, then holds them until its 
 reports (done, erred, or cancelled and returned), also while it waits in the thread
 pool. Such tasks start in their order of priority; tasks that need none pass them.
 
+A worker whose memory passed its pause threshold gets a ``PauseEvent``: from then on
+no task is handed to the thread pool and no fetch begins (a seceded task may still
+rejoin: it runs already), until an ``UnpauseEvent``. Tasks handed to the pool ahead wait
+there too (the server holds the pool).
+
 A running task may leave the thread pool (``secede()``, e.g. to wait for tasks it
 submitted): it gives up its slot (not its resources), so another task runs in its
 place, and the scheduler hears that it is ``long-running``. ``rejoin()`` asks for a
@@ -90,9 +95,11 @@ from .events import (
     GatherDepSuccessEvent,
     Instruction,
     Rejoin,
+    PauseEvent,
     RejoinEvent,
     SecedeEvent,
     SendMsg,
+    UnpauseEvent,
     UpdateDataEvent,
 )
 from .model import SHM, TRANSITIONS, WState, WTask
@@ -165,7 +172,11 @@ class WorkerState:
             UpdateDataEvent: self._update_data,
             SecedeEvent: self._secede,
             RejoinEvent: self._rejoin,
+            PauseEvent: self._pause,
+            UnpauseEvent: self._unpause,
         }
+        #: over the memory pause threshold: no task starts, no fetch begins
+        self.paused = False
 
     def handle(self, *events: Event) -> list[Instruction]:
         """Apply events in order; return the instructions they produce. Raises only on
@@ -508,7 +519,9 @@ class WorkerState:
         Callers make sure no local task waits for it. A task whose thread still runs
         keeps its record (``cancelled``) until the thread reports.
         """
-        self.data.pop(ts.key, None)
+        data = self.data
+        if ts.key in data:
+            del data[ts.key]  # (not pop(): a spilled value would be read back to be dropped)
         if ts in self.executing or ts in self.seceded:
             if ts.state != "cancelled":
                 self._set_state(ts, "cancelled")
@@ -541,7 +554,7 @@ class WorkerState:
             self.seceded.discard(back)
             self.executing.add(back)
             self._out.append(Rejoin(self._stimulus, back.key))
-        if self.rejoining:
+        if self.rejoining or self.paused:
             return
         while len(self.executing) < self.slots:
             ts = self._next_ready()
@@ -633,8 +646,14 @@ class WorkerState:
         if ts not in self.rejoining:
             self.rejoining.append(ts)
 
+    def _pause(self, ev: PauseEvent) -> None:
+        self.paused = True
+
+    def _unpause(self, ev: UnpauseEvent) -> None:
+        self.paused = False
+
     def _ensure_communicating(self) -> None:
-        if not self.fetching:
+        if not self.fetching or self.paused:
             return
         if SHM not in self.in_flight_workers:
             mappable = [t for t in sorted(self.fetching) if t.state == "fetch" and t.shm is not None]

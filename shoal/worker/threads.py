@@ -56,6 +56,9 @@ class TaskThreads:
         self.threads: set[threading.Thread] = set()
         self._closed = False
         self._started = False
+        #: cleared while the pool is held (:meth:`hold`): no work item starts
+        self._go = threading.Event()
+        self._go.set()
 
     def submit(self, fn: Callable[[], None], priority: tuple[Any, ...] = ()) -> None:
         """Run ``fn()`` in a pool thread, after what was submitted before with a lower
@@ -68,6 +71,19 @@ class TaskThreads:
             for _ in range(self.nthreads):
                 self._start_thread()
         self._queue.put((1, priority, next(self._order), fn))
+
+    def hold(self) -> None:
+        """Start no more work items until :meth:`release` (those running go on): a
+        paused worker's tasks handed ahead wait here."""
+        self._go.clear()
+
+    def release(self) -> None:
+        """Start work items again after :meth:`hold`."""
+        self._go.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._go.is_set()
 
     def in_pool(self) -> bool:
         """Whether the calling thread is one of this pool's (seceded or not)."""
@@ -103,6 +119,7 @@ class TaskThreads:
         """Drop what has not started, and let every thread end after its callable (a
         running task cannot be stopped). Returns at once."""
         self._closed = True
+        self._go.set()
         while True:
             try:
                 self._queue.get_nowait()
@@ -139,6 +156,10 @@ class TaskThreads:
                     return
                 if item is _RETIRE:
                     return
+                if not self._go.is_set():
+                    self._go.wait()
+                    if self._closed:
+                        return
                 try:
                     item()
                 except BaseException:  # noqa: BLE001 - the pool thread must go on

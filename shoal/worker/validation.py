@@ -63,7 +63,7 @@ def validate_state(state: WorkerState) -> None:
     for peer, flight in state.in_flight_workers.items():
         for ts in flight:
             assert ts.state == "flight" and ts.coming_from == peer and state.tasks.get(ts.key) is ts
-    if len(state.in_flight_workers) < state.max_gathers:
+    if len(state.in_flight_workers) < state.max_gathers and not state.paused:
         for ts in state.fetching:
             assert ts.who_has <= state.in_flight_workers.keys(), f"{ts} could be fetched now"
 
@@ -88,6 +88,8 @@ def _validate_threads(state: WorkerState) -> None:
         # no new task takes a thread while a seceded one waits for it
         assert len(state.executing) >= state.nthreads, "a thread is free while a task waits to rejoin"
         return
+    if state.paused:
+        return  # nothing starts while paused
     live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
     if live:
         assert len(state.executing) >= state.slots, "a thread is idle while tasks are ready"

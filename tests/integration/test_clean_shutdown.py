@@ -94,7 +94,7 @@ def test_worker_removes_its_results_segments(processes, tmp_path, own_segments, 
     """Results in the worker's segments, one released (its segment retired to the pool
     for reuse), with a task stuck in an executor thread."""
     sched, address = start_scheduler(processes)
-    worker, _ = start_worker(processes, address, "--nthreads", "2")
+    worker, _ = start_worker(processes, address, "--no-nanny", "--nthreads", "2")
     with shoal.Client(address) as c:
         kept = c.submit(np.full, BIG, 3.0, pure=False)
         released = c.submit(np.full, BIG, 4.0, pure=False)
@@ -112,7 +112,7 @@ def test_worker_removes_scattered_values(processes, tmp_path, own_segments, sign
     """A scattered array comes in a transfer segment of the client, which the worker
     keeps under its own name (its peers map it there)."""
     sched, address = start_scheduler(processes)
-    worker, w_addr = start_worker(processes, address, "--nthreads", "1")
+    worker, w_addr = start_worker(processes, address, "--no-nanny", "--nthreads", "1")
     with shoal.Client(address) as c:
         x = c.scatter(np.arange(BIG, dtype=np.float64), workers=[w_addr])
         assert shm.segments_of(worker.pid), "the scattered value should be kept in a segment"
@@ -129,7 +129,7 @@ def test_scheduler_removes_adopted_arguments(processes, signals):
     gives the segment back to the client or removes it: nothing of it stays named after
     the scheduler, and nothing once the client has gone too."""
     sched, address = start_scheduler(processes)
-    worker, _ = start_worker(processes, address)
+    worker, _ = start_worker(processes, address, "--no-nanny")
     code = (
         "import sys, numpy as np, shoal\n"
         f"c = shoal.Client({address!r})\n"
@@ -161,8 +161,8 @@ def test_worker_removes_values_fetched_from_a_peer(processes, tmp_path, own_segm
     that uses the value is stuck."""
     sched, address = start_scheduler(processes)
     private = {"SHOAL_SHM_THRESHOLD": str(1 << 40), "SHOAL_SHM_ALLOC_THRESHOLD": "0"}
-    holder, h_addr = start_worker(processes, address, "--name", "holder", env=private)
-    fetcher, f_addr = start_worker(processes, address, "--name", "fetcher")
+    holder, h_addr = start_worker(processes, address, "--no-nanny", "--name", "holder", env=private)
+    fetcher, f_addr = start_worker(processes, address, "--no-nanny", "--name", "fetcher")
     with shoal.Client(address) as c:
         x = c.submit(np.full, BIG, 5.0, pure=False, workers=[h_addr])
         shoal.wait([x], timeout=30)

@@ -118,7 +118,7 @@ def test_worker_that_loses_its_scheduler_exits_and_releases_shared_memory(proces
 
     sched = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()))
     address = sched.stdout.readline().split()[-1]
-    worker = start_shoal(processes, "worker", address, "--death-timeout", "0.5")
+    worker = start_shoal(processes, "worker", address, "--no-nanny", "--death-timeout", "0.5")
     assert worker.stdout.readline().startswith("shoal worker at ")
     c = shoal.Client(address)
     try:

@@ -255,9 +255,19 @@ def test_restart_starts_new_workers_and_cancels_every_future(client: shoal.Clien
     assert client.gather(client.map(inc, range(3))) == [1, 2, 3]
 
 
-def test_restart_without_a_cluster_object_says_why(cluster: shoal.LocalCluster) -> None:
+def test_restart_without_a_cluster_object_goes_through_nannies_or_says_why(cluster: shoal.LocalCluster) -> None:
     with shoal.Client(cluster.scheduler_address, set_as_default=False) as remote:
         kept = remote.submit(inc, 5)
+        assert kept.result() == 6
+        if cluster.processes:
+            # worker processes run under nannies: the scheduler asks them
+            before = set(remote.run(worker_pid).values())
+            remote.restart()
+            assert kept.status == "cancelled"
+            assert set(remote.run(worker_pid).values()).isdisjoint(before)
+            assert remote.submit(inc, 1).result() == 2
+            return
+        # in-process workers have no nanny: only the cluster object could start new ones
         with pytest.raises(RuntimeError, match="supervisor"):
             remote.restart()
         assert kept.result() == 6  # nothing was cancelled

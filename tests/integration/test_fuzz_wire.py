@@ -221,6 +221,7 @@ WORKER_STREAM_OPS = {
     "missing-data": {"key": keys, "errant_worker": addresses},
     "reschedule": {"key": keys},
     "heartbeat": {},
+    "worker-memory": {"managed": st.integers(-1, 1 << 70) | st.text(max_size=3), "paused": st.booleans() | values},
 }
 _task = st.fixed_dictionaries({"key": keys}, optional={
     "payload": family_entry(), "deps": key_lists | values, "workers": st.none() | st.lists(addresses, max_size=1),
@@ -438,6 +439,7 @@ REQUEST_OPS = {
     "remove-replicas": ("x", {}),
     "wait-for-workers": ("x", {"n_workers": 1, "timeout": 0}),
     "restart": ("x", {"client": "canary"}),
+    "restart-workers": ("x", {}),  # the extra field makes it a bad call: it never runs
     "upload-file": ("data", {"filename": "canary.py", "load": False}),
     "progress": ("keys", {"id": "canary"}),
     # worker plugins: kept opaque for the workers that join later
@@ -451,6 +453,7 @@ WORKER_STREAM = {
     "reschedule": ("key", {}),
     "long-running": ("key", {}),
     "heartbeat": ("x", {}),
+    "worker-memory": ("x", {}),
     "unregister": ("x", {}),
 }
 CLIENT_STREAM = {

@@ -183,7 +183,7 @@ def _foreign_files() -> set[str]:
 def test_foreign_worker_runs_tasks_and_serves_data(procs: _Procs, workers: list[ForeignWorker],
                                                    lease_ends: list[tuple[int, str]]) -> None:
     _, address = _scheduler(procs)
-    py_proc, py_address = procs.start("worker", address, "--name", "python", "--host", "127.0.0.1",
+    py_proc, py_address = procs.start("worker", address, "--no-nanny", "--name", "python", "--host", "127.0.0.1",
                                       banner="shoal worker at ")
     fw = ForeignWorker(address, name="foreign", shm=SHM)
     workers.append(fw)  # stopped by the fixture even if start() fails

@@ -141,7 +141,7 @@ class Cluster:
         line = sched.stdout.readline()
         assert line.startswith("shoal scheduler at "), line
         self.address = line.split()[-1]
-        workers = [self._start(ns, procs, env, f"w{i}", "worker", self.address, "--name", f"w{i}") for i in range(2)]
+        workers = [self._start(ns, procs, env, f"w{i}", "worker", self.address, "--no-nanny", "--name", f"w{i}") for i in range(2)]
         for w in workers:
             assert w.stdout is not None
             assert w.stdout.readline().startswith("shoal worker at ")
@@ -396,7 +396,7 @@ def test_a_worker_short_of_address_space_errs_the_task_that_hit_it_and_carries_o
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     _, address = start_scheduler(processes)
-    worker, _ = start_worker(processes, address, "--nthreads", "1", env={"PYTHONPATH": path})
+    worker, _ = start_worker(processes, address, "--no-nanny", "--nthreads", "1", env={"PYTHONPATH": path})
     with shoal.Client(address, timeout=30) as c:
         assert c.submit(ones, 10, pure=False).result(timeout=30).sum() == 10  # numpy loaded, threads up
         soft, hard = resource.prlimit(worker.pid, resource.RLIMIT_AS)

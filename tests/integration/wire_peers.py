@@ -77,7 +77,7 @@ def start_cluster(logs: str, worker_env: dict[str, str] | None = None) -> Iterat
         sched = start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(_free_port()))
         address = sched.stdout.readline().split()[-1]
         assert address.startswith("tcp://127.0.0.1:"), address
-        worker = start("worker", "worker", address, "--nthreads", "2", env=worker_env)
+        worker = start("worker", "worker", address, "--no-nanny", "--nthreads", "2", env=worker_env)
         line = worker.stdout.readline()
         assert line.startswith("shoal worker at tcp://127.0.0.1:"), line
         secret = security.read_secret(security.auth_file_for(address))

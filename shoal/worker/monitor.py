@@ -1,0 +1,153 @@
+"""A worker's watch on its memory: spilling past the spill threshold, pausing past
+pause, and the figures it reports to the scheduler.
+
+Theory of operation
+-------------------
+The store (:class:`~shoal.worker.store.WorkerStore`) spills by the sizes of the
+values it holds: past the *target* the least recently used go to disk as they come in.
+Sizes are estimates, and a task's own allocations are nobody's value, so the monitor
+also looks at the process: every ``memory-monitor-interval`` seconds it reads the
+process's resident memory (psutil) and
+
+- past *spill*, evicts values, least recently used first, until what the process
+  holds would be below the *target* (or nothing more can go);
+- past *pause*, or when a spill found the disk full, pauses the worker: the state
+  machine starts no task and no fetch, the thread pool starts nothing it holds, and the
+  scheduler hears it at once (it places work elsewhere); below *pause* again, the worker
+  goes on. Each change is one line in the log.
+
+What counts as the process's memory: its private resident memory (the resident set
+less the pages of files and shared memory), plus the segments it owns (its values' and
+those kept for reuse; a peer's segment that it maps is its owner's to count), and never
+less than what the store holds. The segments kept for reuse go back first, before
+anything is spilled.
+Workers that share their process with others (an in-process cluster) cannot tell
+their part of it: they go by the store's figures alone.
+
+The *terminate* rule is the nanny's (:mod:`shoal.worker.nanny`): a process past it
+is beyond saving from inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .memory import Thresholds, format_bytes
+
+__all__ = ["MemoryMonitor", "memory_report"]
+
+logger = logging.getLogger("shoal.worker")
+
+
+_process: Any = None
+
+
+def _memory_info() -> Any:
+    """psutil's memory figures of this process (``rss``, ``shared``: its pages of files
+    and of shared memory)."""
+    global _process
+    import psutil
+
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process.memory_info()
+
+
+def _rss() -> int:
+    """The resident memory of this process, in bytes."""
+    return int(_memory_info().rss)
+
+
+def private_memory(info: Any) -> int:
+    """The resident memory that is a process's alone (its heap, its arrays): the
+    resident set less the pages of files and of shared memory (Linux's ``RssAnon``)."""
+    return max(int(info.rss) - int(getattr(info, "shared", 0)), 0)
+
+
+def memory_report(store: Any, limit: int | None, own_process: bool) -> dict[str, int]:
+    """The figures a worker reports (bytes): ``limit`` (0: none), ``managed`` (its
+    values in private memory), ``shm`` (its values in segments it owns), ``spilled``
+    (on disk), ``process`` (the resident memory of its process) and ``unmanaged``
+    (``process`` less what its values and the peers' segments it maps account for);
+    ``process`` is 0 when it cannot be read now (no descriptor left to read /proc)."""
+    try:
+        process = _rss()
+    except Exception:  # noqa: BLE001 - psutil's errors, EMFILE: no figure this time
+        process = 0
+    managed = int(store.managed)
+    shm = int(store.shm_owned)
+    mapped = int(store.mapped) if own_process else 0
+    return {
+        "limit": limit or 0,
+        "managed": managed,
+        "shm": shm,
+        "spilled": int(store.spilled),
+        "unmanaged": max(process - managed - shm - mapped, 0) if own_process else 0,
+        "process": process,
+    }
+
+
+class MemoryMonitor:
+    """Applies the spill and pause rules of ``thresholds`` to ``store`` (see the
+    module). ``pause(bool)`` is called when the worker must pause or may go on."""
+
+    def __init__(self, store: Any, thresholds: Thresholds, own_process: bool, pause: Any,
+                 give_back: Any = None, pooled: Any = None):
+        self.store = store
+        #: gives back memory held for reuse (the pool of retired segments) before
+        #: anything is spilled: that is the cheapest memory to free
+        self._give_back = give_back
+        #: bytes of shared memory held for reuse (None: none)
+        self._pooled = pooled
+        self.thresholds = thresholds
+        self.own_process = own_process
+        self._pause = pause
+        self.paused = False
+        self._warned_spill = False
+
+    def used(self) -> int:
+        """What this worker's process holds, by the rule of the module."""
+        store = self.store
+        held = int(store.managed) + int(store.shm_owned)
+        if not self.own_process:
+            return held
+        pooled = int(self._pooled()) if self._pooled is not None else 0
+        return max(private_memory(_memory_info()) + int(store.shm_owned) + pooled, held)
+
+    def check(self) -> None:
+        """One look: spill, then pause or go on. Raises ``OSError`` when the process's
+        memory cannot be read now (out of descriptors: /proc is a file)."""
+        t = self.thresholds
+        used = self.used()
+        if t.spill is not None and used > t.spill and self._give_back is not None:
+            self._give_back()
+            used = self.used()
+        if t.spill is not None and used > t.spill:
+            goal = t.target if t.target is not None else t.spill
+            freed = 0
+            while used - freed > goal:
+                n = self.store.evict()
+                if n <= 0:
+                    break
+                freed += n
+            if freed and not self._warned_spill:
+                self._warned_spill = True
+                logger.info("process memory %s is past the spill threshold (%s of a %s limit): "
+                            "values moved to disk", format_bytes(used), format_bytes(t.spill), format_bytes(t.limit))
+            if freed:
+                used = self.used()
+        over = t.pause is not None and used > t.pause
+        disk_full = bool(getattr(self.store, "disk_full", False))
+        if (over or disk_full) and not self.paused:
+            self.paused = True
+            why = "its disk is full" if disk_full and not over else (
+                f"memory {format_bytes(used)} is past the pause threshold {format_bytes(t.pause or 0)}")
+            logger.warning("worker paused: %s (limit %s); no task or fetch starts until it falls",
+                           why, format_bytes(t.limit))
+            self._pause(True)
+        elif self.paused and not over and not disk_full:
+            self.paused = False
+            logger.warning("worker goes on: memory %s is below the pause threshold", format_bytes(used))
+            self._pause(False)

@@ -1,0 +1,139 @@
+"""Workers with a memory limit, as real processes on real disk: values beyond the
+target spill and come back right, a worker past its pause threshold starts nothing
+until its memory falls, and the scheduler shows each worker's memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+import pytest
+
+import shoal
+from shoal.testing import wait_for
+
+np = pytest.importorskip("numpy")
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+
+
+def make(i, nbytes):
+    out = np.empty(nbytes // 8)
+    out.fill(float(i))
+    return out
+
+
+def total(arr):
+    return float(arr.sum())
+
+
+def first(arr):
+    return float(arr[0]), float(arr[-1]), arr.nbytes
+
+
+class PeakRss:
+    """The largest resident memory of each worker process (by pid), sampled in a thread."""
+
+    def __init__(self, pids):
+        self.procs = [psutil.Process(p) for p in pids]
+        self.peak = {p: 0 for p in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            for p in self.procs:
+                try:
+                    self.peak[p.pid] = max(self.peak[p.pid], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_results_three_times_the_memory_limit_spill_and_come_back_right(tmp_path):
+    limit = 512 * MiB
+    size = 16 * MiB
+    n = 3 * 2 * limit // size  # 3x what the two workers may hold
+    with shoal.LocalCluster(n_workers=2, processes=True, memory_limit=limit, local_directory=str(tmp_path)) as cluster, \
+            shoal.Client(cluster) as client:
+        pids = list(client.run(os.getpid).values())
+        with PeakRss(pids) as peak:
+            futures = client.map(make, range(n), [size] * n)
+            shoal.wait(futures)
+            info = client.scheduler_info()["workers"]
+            spilled = sum(w["memory"]["spilled"] for w in info.values())
+            # every value, read back from disk where it went: right
+            checks = client.gather(client.map(first, futures))
+        assert checks == [(float(i), float(i), size) for i in range(n)]
+        assert spilled > limit  # most of it went to disk
+        for w in info.values():
+            assert w["memory"]["limit"] == limit
+            assert w["memory_limit"] == limit
+        # the limit held: a worker holds what is below its target, plus one value on its
+        # way to disk, plus the interpreter and its libraries
+        margin = 160 * MiB
+        for pid, rss in peak.peak.items():
+            assert rss < limit + margin, f"worker {pid} peaked at {rss / MiB:.0f} MiB"
+        # the workers' spill directories are under the local directory, and go with them
+        assert any(name.startswith("shoal-worker-") for name in os.listdir(tmp_path))
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("shoal-worker-")]
+
+
+def grow(nbytes, dask_worker):
+    """Memory no value accounts for (kept on the worker object: this module's globals
+    travel by value)."""
+    dask_worker.test_ballast = b"x" * nbytes
+    return nbytes
+
+
+def shrink(dask_worker):
+    del dask_worker.test_ballast
+    return 0
+
+
+def test_a_worker_past_its_pause_threshold_starts_nothing_until_memory_falls():
+    limit = 600 * MiB
+    with shoal.LocalCluster(n_workers=1, processes=True, memory_limit=limit) as cluster, \
+            shoal.Client(cluster) as client:
+        (address,) = client.scheduler_info()["workers"]
+
+        def status():
+            return client.scheduler_info()["workers"][address]["status"]
+
+        # the interpreter's own (~30 MiB private) and this: past 0.8 x 600 MiB, below 0.95 x
+        client.run(grow, 500 * MiB)
+        wait_for(lambda: status() == "paused", timeout=30, what="the worker to pause")
+        f = client.submit(total, np.ones(10))
+        # the scheduler (of this process) holds it back: a paused worker gets no task
+        tasks = cluster.scheduler.state.tasks
+        wait_for(lambda: f.key in tasks and tasks[f.key].state == "queued", timeout=10, what="the task to queue")
+        assert not client.processing()[address]
+        client.run(shrink)
+        wait_for(lambda: status() == "running", timeout=30, what="the worker to go on")
+        assert f.result(timeout=30) == 10.0
+        memory = client.scheduler_info()["workers"][address]["memory"]
+        assert set(memory) == {"limit", "managed", "shm", "spilled", "unmanaged", "process"}
+        assert memory["process"] > 0 and memory["limit"] == limit
+
+
+def test_in_process_workers_spill_by_the_sizes_of_their_values(tmp_path):
+    limit = 64 * MiB
+    with shoal.LocalCluster(n_workers=1, processes=False, memory_limit=limit, local_directory=str(tmp_path)) as cluster, \
+            shoal.Client(cluster) as client:
+        futures = client.map(make, range(12), [8 * MiB] * 12)
+        shoal.wait(futures)
+        (w,) = client.scheduler_info()["workers"].values()
+        wait_for(lambda: next(iter(client.scheduler_info()["workers"].values()))["memory"]["spilled"] > 0,
+                 timeout=10, what="spilled bytes to show")
+        assert w["memory"]["limit"] == limit
+        assert [x[0] for x in client.gather(client.map(first, futures))] == [float(i) for i in range(12)]
