@@ -70,12 +70,16 @@ def test_results_three_times_the_memory_limit_spill_and_come_back_right(tmp_path
         with PeakRss(pids) as peak:
             futures = client.map(make, range(n), [size] * n)
             shoal.wait(futures)
+
+            def spilled():
+                return sum(w["memory"]["spilled"] for w in client.scheduler_info()["workers"].values())
+
+            # most of it went to disk (the figures come with the workers' next heartbeat)
+            wait_for(lambda: spilled() > limit, timeout=30, what="the spilled bytes to show")
             info = client.scheduler_info()["workers"]
-            spilled = sum(w["memory"]["spilled"] for w in info.values())
             # every value, read back from disk where it went: right
             checks = client.gather(client.map(first, futures))
         assert checks == [(float(i), float(i), size) for i in range(n)]
-        assert spilled > limit  # most of it went to disk
         for w in info.values():
             assert w["memory"]["limit"] == limit
             assert w["memory_limit"] == limit
@@ -137,3 +141,79 @@ def test_in_process_workers_spill_by_the_sizes_of_their_values(tmp_path):
                  timeout=10, what="spilled bytes to show")
         assert w["memory"]["limit"] == limit
         assert [x[0] for x in client.gather(client.map(first, futures))] == [float(i) for i in range(12)]
+
+
+def noise(i, nbytes):
+    """Values lz4 cannot shrink: they take their full size on disk."""
+    return np.random.default_rng(i).random(nbytes // 8)
+
+
+def _mount_tmpfs(path, size):
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return "needs root to mount a tmpfs"
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       timeout=30)
+    return None if p.returncode == 0 else f"cannot mount a tmpfs: {p.stderr.decode(errors='replace')}"
+
+
+def test_a_full_disk_keeps_values_in_memory_and_pauses_the_worker(tmp_path):
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    why = _mount_tmpfs(disk, "1m")
+    if why:
+        pytest.skip(why)
+    try:
+        limit, size = 300 * MiB, 16 * MiB
+        with shoal.LocalCluster(n_workers=1, processes=True, memory_limit=limit, local_directory=str(disk)) as cluster, \
+                shoal.Client(cluster) as client:
+            (address,) = client.scheduler_info()["workers"]
+            futures = client.map(noise, range(12), [size] * 12)  # 192 MiB: past the 180 MiB target
+            shoal.wait(futures)
+
+            def worker():
+                return client.scheduler_info()["workers"][address]
+
+            wait_for(lambda: worker()["status"] == "paused", timeout=30, what="the worker to pause")
+            assert worker()["memory"]["spilled"] == 0
+            # nothing was lost: every value is there, right (a paused worker still serves
+            # its values; it runs no task)
+            for i, value in enumerate(client.gather(futures)):
+                assert np.array_equal(value, noise(i, size))
+            assert "cannot spill" in cluster.get_logs()["worker-0"]
+            # memory falls below the target: the worker goes on
+            del futures[:6]
+            wait_for(lambda: worker()["status"] == "running", timeout=30, what="the worker to go on")
+            assert client.submit(total, np.ones(3)).result(timeout=30) == 3.0
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+def test_a_killed_worker_with_spilled_values_comes_back_without_them_and_they_are_computed_again(tmp_path):
+    import signal
+
+    limit, size = 256 * MiB, 16 * MiB
+    n = 2 * 2 * limit // size
+    with shoal.LocalCluster(n_workers=2, processes=True, memory_limit=limit, local_directory=str(tmp_path)) as cluster, \
+            shoal.Client(cluster) as client:
+        futures = client.map(make, range(n), [size] * n)
+        shoal.wait(futures)
+        # (the figures come with the workers' next heartbeat)
+        wait_for(lambda: all(w["memory"]["spilled"] > 0 for w in client.scheduler_info()["workers"].values()),
+                 timeout=30, what="both workers to report spilled values")
+        info = client.scheduler_info()["workers"]
+        victim_address = max(info, key=lambda a: info[a]["memory"]["spilled"])
+        handle = cluster.workers[info[victim_address]["name"]]
+        victim, work_dir = handle.pid, handle.nanny.work_dir
+        spill_files = os.listdir(os.path.join(work_dir, "spill"))
+        assert spill_files
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: cluster.restarts >= 1, timeout=30, what="the nanny to restart the worker")
+        wait_for(lambda: not os.path.exists(work_dir), timeout=30, what="the dead worker's directory to go")
+        # the values it held, spilled or not, are computed again
+        assert client.gather(client.map(first, futures)) == [(float(i), float(i), size) for i in range(n)]
+        assert victim not in client.run(os.getpid).values()
