@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -137,8 +136,8 @@ def _spilled(system: str, client: Any) -> int:
 
 
 def _dask_spilled(dask_worker: Any) -> int:
-    """The bytes a dask worker's SpillBuffer wrote to disk and still holds there."""
-    return int(dask_worker.data.spilled_total.disk)
+    """The sizes (in memory, as shoal reports them) of the values a dask worker holds on disk."""
+    return int(dask_worker.data.spilled_total.memory)
 
 
 for _system in ("shoal", "dask"):
@@ -163,7 +162,6 @@ def _tiny_limit(system: str, n: int) -> dict[str, Any]:
         out["throughput_limit"] = _tiny_once(s, n)
     with open_session(system, memory_limit=0) as s:
         out["throughput_no_limit"] = _tiny_once(s, n)
-    out["pid"] = os.getpid()
     return out
 
 
