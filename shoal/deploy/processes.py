@@ -14,18 +14,17 @@ terminal reaches this process only, which stops them in order.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from typing import Any, NoReturn, Protocol
 
 from ..comm import shm
+from ..worker.nanny import wait_or_kill
 from ..protocol.resources import check_resources as checked_resources
 
 __all__ = ["WorkerProcess", "worker_argv", "reap", "format_resources"]
@@ -91,14 +90,8 @@ def worker_argv(scheduler_address: str, name: str, nthreads: int, host: str, res
 
 async def reap(p: subprocess.Popen[bytes], timeout: float) -> None:
     """Wait for worker process ``p`` to exit, killing it after ``timeout`` seconds, and
-    remove the segments it left (it was killed). Polled rather than waited for in a
-    thread: a cluster closed at interpreter exit gets no executor thread any more."""
-    deadline = time.monotonic() + timeout
-    while p.poll() is None:
-        if time.monotonic() >= deadline:
-            p.kill()
-            deadline = float("inf")
-        await asyncio.sleep(0.01)  # polling: nothing wakes this loop when a child exits
+    remove the segments it left (it was killed)."""
+    await wait_or_kill(p, timeout)
     # whatever a worker could not remove itself (it was killed) goes now
     shm.sweep(p.pid)
 

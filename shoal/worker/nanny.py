@@ -265,12 +265,7 @@ class Nanny:
             return
         if p.poll() is None:
             p.terminate()
-        deadline = time.monotonic() + timeout
-        while p.poll() is None:
-            if time.monotonic() >= deadline:
-                p.kill()
-                deadline = float("inf")
-            await asyncio.sleep(0.01)  # polling: nothing wakes this loop when a child exits
+        await wait_or_kill(p, timeout)
         self._clean_up(p)
 
     def _clean_up(self, p: subprocess.Popen[bytes]) -> None:
@@ -381,6 +376,18 @@ class Nanny:
 
     def __repr__(self) -> str:
         return f"<Nanny {self.name!r} worker pid={self.pid} {self.status}>"
+
+
+async def wait_or_kill(p: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for process ``p`` to exit, killing it after ``timeout`` seconds. Polled
+    rather than waited for in a thread: a cluster closed at interpreter exit gets no
+    executor thread any more."""
+    deadline = time.monotonic() + timeout
+    while p.poll() is None:
+        if time.monotonic() >= deadline:
+            p.kill()
+            deadline = float("inf")
+        await asyncio.sleep(0.01)  # polling: nothing wakes this loop when a child exits
 
 
 def die_with_parent() -> None:
