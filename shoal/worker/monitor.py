@@ -106,6 +106,17 @@ class MemoryMonitor:
         self._pause = pause
         self.paused = False
         self._warned_spill = False
+        #: what the process held besides the store's values at the last look
+        self.unmanaged = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a new value of ``nbytes`` would leave the process below the target,
+        counting what the store holds now and what it did not hold at the last look
+        (read from a task's thread: a hint). A value that would not is soon spilled:
+        the worker does not give it a shared-memory segment first."""
+        target = self.thresholds.target
+        store = self.store
+        return target is None or int(store.managed) + int(store.shm_owned) + self.unmanaged + nbytes <= target
 
     def used(self) -> int:
         """What this worker's process holds, by the rule of the module."""
@@ -138,6 +149,7 @@ class MemoryMonitor:
                             "values moved to disk", format_bytes(used), format_bytes(t.spill), format_bytes(t.limit))
             if freed:
                 used = self.used()
+        self.unmanaged = max(0, used - int(self.store.managed) - int(self.store.shm_owned))
         over = t.pause is not None and used > t.pause
         disk_full = bool(getattr(self.store, "disk_full", False))
         if (over or disk_full) and not self.paused:

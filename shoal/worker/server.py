@@ -463,6 +463,7 @@ class Worker:
         loop = self.loop
         destination = self._scheduler_destination
         place = self.use_shm
+        fits = self.store.fits if self.monitor is None else self.monitor.fits
         report = ts.report
 
         def work() -> None:
@@ -498,7 +499,9 @@ class Worker:
                         exc.add_note(f"(raised while shoal measured the result of task {short_repr(key)}: "
                                      "its nbytes or __sizeof__)")
                         raise
-                    placed = self._place(value) if place else None
+                    # a result that will go to disk soon is not worth a segment: spilling
+                    # would write it out and unlink that segment again
+                    placed = self._place(value) if place and fits(nbytes) else None
                     if placed is not None:
                         segment, value = placed
                     inline = inline_value(value, nbytes, destination) if report else None

@@ -157,6 +157,12 @@ class WorkerStore(MutableMapping[Key, Any]):
                 if not (n > target and self._spill(key) is not None):
                     self._shrink(target)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a value of ``nbytes`` would stay in memory, below the target, if it
+        came now (read from a task's thread: a hint, not a promise)."""
+        target = self.target
+        return target is None or not self._spills or self.managed + self.shm_owned + nbytes <= target
+
     def __delitem__(self, key: Key) -> None:
         try:
             del self._data[key]

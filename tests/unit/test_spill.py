@@ -522,3 +522,30 @@ def test_a_value_in_a_transfer_segment_taken_over_counts_as_owned_and_spills_wit
         peer.wait(timeout=30)
         peer.stdout.close()
     assert peer.returncode == 0
+
+
+def test_whether_a_new_value_fits_counts_the_store_and_the_rest_of_the_process(store) -> None:
+    """A result that would take the worker past its target is soon spilled, so the worker
+    gives it no shared-memory segment first; what fits counts the store's values now and
+    what else the process held at the monitor's last look."""
+    from shoal.worker.memory import Thresholds
+    from shoal.worker.monitor import MemoryMonitor
+
+    assert store.fits(10 * MB) and not store.fits(10 * MB + 1)
+    store["a"] = np.ones(MB, dtype="u1")
+    assert store.fits(9 * MB) and not store.fits(9 * MB + 1)
+
+    limit = 1 << 40  # far above this process: the monitor spills nothing, pauses nothing
+    monitor = MemoryMonitor(store, Thresholds(limit, limit // 2, None, None, None), own_process=True,
+                            pause=lambda paused: None)
+    monitor.check()
+    rest = monitor.unmanaged
+    assert rest > 0  # the interpreter and what it imported
+    room = limit // 2 - rest - MB
+    assert monitor.fits(room) and not monitor.fits(room + 1)
+    store["b"] = np.ones(MB, dtype="u1")  # counted at once, before the next look
+    assert monitor.fits(room - MB) and not monitor.fits(room - MB + 1)
+
+    unlimited = MemoryMonitor(store, Thresholds(limit, None, None, None, None), own_process=True,
+                              pause=lambda paused: None)
+    assert unlimited.fits(limit)
