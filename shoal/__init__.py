@@ -35,6 +35,7 @@ from .errors import CancelledError, GraphError, InvalidKeyError, KilledWorker, L
 if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
     from .client.progress import progress
+    from .client.diagnostics import get_task_stream, performance_report
     from .client.coordination import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
     from .client.default import default_client, get_client
     from .client.future import fire_and_forget
@@ -53,6 +54,8 @@ _LAZY = {
     "as_completed": "shoal.client",
     "wait": "shoal.client",
     "progress": "shoal.client.progress",
+    "get_task_stream": "shoal.client.diagnostics",
+    "performance_report": "shoal.client.diagnostics",
     "Variable": "shoal.client.coordination",
     "Queue": "shoal.client.coordination",
     "Lock": "shoal.client.coordination",
@@ -98,6 +101,8 @@ __all__ = [
     "as_completed",
     "wait",
     "progress",
+    "get_task_stream",
+    "performance_report",
     "Variable",
     "Queue",
     "Lock",

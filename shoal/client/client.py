@@ -34,6 +34,7 @@ from ..protocol.core import prepare
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
 from ..taskspec import RunSpec, raise_serialization_error, tokenize, unique_token, validate_key
 from .cluster_ops import ClusterOps
+from .diagnostics import TaskStreamMethods
 from .collections import DaskCollections
 from ..worker.context import waiting
 from .default import set_default, unset_default
@@ -52,7 +53,8 @@ __all__ = ["Client"]
 
 logger = logging.getLogger("shoal.client")
 
-class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPluginMethods, ClusterOps):
+class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPluginMethods, ClusterOps,
+             TaskStreamMethods):
     """Connect to a cluster and run work on it.
 
     ``address`` is a scheduler address or a ``LocalCluster``; with neither, the client

@@ -103,8 +103,13 @@ class TaskFinishedMsg(Msg, tag="task-finished"):
     shm: Any = None  # segment info (§4.7) or nil
     value: Any = None  # a small value inline (opaque to the scheduler, which forwards it)
     stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    #: [start, stop, thread]: when it ran (epoch seconds, the worker's clock) and on
+    #: which of the worker's task threads (for the task stream)
+    timing: tuple[float, float, int] | None = None
+    #: the inputs moved to this worker for it: [key text, from, bytes, path, start, stop]
+    transfers: list[tuple[str, str, int, str, float, float]] = []
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
-    optional: ClassVar[tuple[str, ...]] = ("shm", "value", "stimulus_id")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "value", "stimulus_id", "timing", "transfers")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
 
 
@@ -114,8 +119,10 @@ class WorkerTaskErredMsg(Msg, tag="task-erred"):
     traceback: Any = None  # opaque or str or nil
     text: str = ""
     stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    timing: tuple[float, float, int] | None = None  # as task-finished's
+    transfers: list[tuple[str, str, int, str, float, float]] = []
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
-    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id", "timing", "transfers")
 
 
 class MissingDataMsg(Msg, tag="missing-data"):
@@ -157,6 +164,12 @@ class WorkerMemoryMsg(Msg, tag="worker-memory"):
     unmanaged: int = 0
     process: int = 0
     paused: bool = False
+    #: percent of one core the process used since the last report
+    cpu: float = 0.0
+    #: bytes moved into and out of the worker so far, by path (inproc, shm, tcp)
+    transfers_in: dict[str, int] = {}
+    transfers_out: dict[str, int] = {}
+    optional: ClassVar[tuple[str, ...]] = ("cpu", "transfers_in", "transfers_out")
 
 
 class UnregisterMsg(Msg, tag="unregister"):
@@ -367,6 +380,21 @@ class CountersMsg(Msg, tag="counters"):
     reply: bool = True
 
 
+class GetTaskStreamMsg(Msg, tag="get-task-stream"):
+    """To the scheduler: the task stream's records numbered ``since`` and after, at
+    most ``limit`` (``client.get_task_stream``, the dashboard)."""
+
+    since: int = 0
+    limit: int = 100_000
+    reply: bool = True
+
+
+class DiagnosticsMsg(Msg, tag="diagnostics"):
+    """To the scheduler: the figures of the dashboard at once (``performance_report``)."""
+
+    reply: bool = True
+
+
 class RetireAllMsg(Msg, tag="retire-all"):
     reply: bool = True
 
@@ -537,7 +565,7 @@ CLIENT_TO_SCHEDULER = _table(UpdateGraphMsg, ReleaseKeysMsg, CancelKeysMsg, Hear
                              FireAndForgetMsg, *COORDINATION_STREAM)
 SCHEDULER_TO_CLIENT = _table(KeyInMemoryMsg, TaskErredMsg, CancelledKeyMsg, LostKeyMsg)
 SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateDataMsg, NcoresMsg, CountersMsg,
-                            RetireAllMsg, RegisterWorkerMsg, RegisterClientMsg, ProgressMsg,
+                            RetireAllMsg, RegisterWorkerMsg, RegisterClientMsg, ProgressMsg, GetTaskStreamMsg, DiagnosticsMsg,
                             RegisterWorkerPluginMsg, UnregisterWorkerPluginMsg, *COORDINATION_REQUESTS,
                             *CLUSTER_OPS_REQUESTS)
 WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,

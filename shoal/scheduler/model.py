@@ -10,11 +10,36 @@ from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "InvalidTransition", "WorkerState", "TaskState", "dependents_closure", "find_cycle", "topological"]
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "PrefixGroup", "dependents_closure",
+           "find_cycle", "topological"]
 
 
 #: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
 TState = Literal["released", "waiting", "queued", "processing", "memory", "erred", "forgotten"]
+STATES: tuple[TState, ...] = ("released", "waiting", "queued", "processing", "memory", "erred", "forgotten")
+
+
+class PrefixGroup:
+    """The tasks of one key prefix (``inc``, ``sum-aggregate``; see
+    :func:`.progress.key_prefix`) counted by state, kept up to date at each transition:
+    what the dashboard's progress and graph show, without a walk over the tasks. It
+    goes when all its tasks are forgotten."""
+
+    __slots__ = ("name", "states", "done", "size", "dependencies")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        #: tasks by their current state (forgotten ones included)
+        self.states: dict[str, int] = dict.fromkeys(STATES, 0)
+        #: tasks that reached memory at least once
+        self.done = 0
+        #: tasks in all (forgotten ones included)
+        self.size = 0
+        #: the prefixes of the inputs of its tasks
+        self.dependencies: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<PrefixGroup {self.name} {self.done}/{self.size} done>"
 
 
 # ------------------------------------------------------------------------- the model
@@ -89,6 +114,9 @@ class TaskState:
     shm_owner: str = ""
     #: a small value the worker sent along (opaque), for clients that ask later
     inline: Any = None
+    #: its key prefix's counts (see :class:`PrefixGroup`), and whether it counted as done
+    group: PrefixGroup | None = None
+    done: bool = False
 
     def __repr__(self) -> str:
         return f"<TaskState {self.key!r} {self.state}>"

@@ -59,6 +59,7 @@ from ..protocol.messages import (
 from ..rpc import BatchedSend, Server, read_batch, without_values
 from .plugin import SchedulerPlugin, call_async, tell_plugins
 from .progress import ProgressRequests
+from .diagnostics import Diagnostics
 from .coordination_server import CoordinationServer
 from .worker_plugins import WorkerPluginStore
 from .ops import SchedulerOps
@@ -106,6 +107,8 @@ class Scheduler:
     def __init__(self, name: str = "scheduler", security: Security | None = None,
                  plugins: Iterable[SchedulerPlugin] = ()):
         self.state = SchedulerState(worker_ttl=config.get("worker-ttl"))
+        #: the task stream and the figures the dashboard shows (:mod:`.diagnostics`)
+        self.diagnostics = Diagnostics(self.state, lambda: self.address, time.time)
         #: objects of this process told what the scheduler does (:mod:`.plugin`)
         self.plugins: dict[str, SchedulerPlugin] = {}
         self._initial_plugins = list(plugins)
@@ -129,6 +132,8 @@ class Scheduler:
                 "counters": self.counters,
                 "retire-all": self.retire_all,
                 "progress": ProgressRequests(lambda: self.state.tasks, time.monotonic).handle,
+                "get-task-stream": self.get_task_stream,
+                "diagnostics": self.diagnostics_now,
                 **self.coordination.handlers(),
                 **self.worker_plugins.handlers(),
                 **self.ops.handlers(),
@@ -250,6 +255,18 @@ class Scheduler:
         self._apply(UpdateDataEvent(self._stimulus("update-data"), client, who_has or {}, nbytes or {},
                                     shm if isinstance(shm, dict) else {}))
 
+    def get_task_stream(self, comm: Comm | None = None, since: Any = 0, limit: Any = 100_000) -> dict[str, Any]:
+        """The task stream's records numbered ``since`` and after (``client.get_task_stream``)."""
+        if type(since) is not int or type(limit) is not int or since < 0 or limit < 0:
+            raise ValueError(f"since and limit are integers >= 0, got {since!r} and {limit!r}")
+        return self.diagnostics.task_stream(since, limit)
+
+    def diagnostics_now(self, comm: Comm | None = None) -> dict[str, Any]:
+        """The dashboard's figures now (``performance_report``)."""
+        d = self.diagnostics
+        return {"summary": d.summary(), "progress": d.progress(), "workers": d.workers(),
+                "transfers": d.transfers(), "graph": d.graph(), "next": d.next_index}
+
     def counters(self, comm: Comm | None = None) -> dict[str, Any]:
         return {
             "payload_deserializations": self.state.payload_deserializations,
@@ -314,6 +331,7 @@ class Scheduler:
             if not self.closing and address in self.state.workers:
                 logger.info("worker %s left%s", address, "" if clean else " (connection lost)")
             self._apply(RemoveWorkerEvent(self._stimulus("remove-worker"), address, crashed=not clean))
+            self.diagnostics.worker_left(address)
             self._notify_workers_changed()
             if not clean and host == local_info()["host"] and pid and shm.process_gone(pid):
                 # a worker of this host died: nobody else will remove its segments
@@ -325,6 +343,7 @@ class Scheduler:
         """Note that worker ``address`` is alive (whatever it sends shows it, not only
         its heartbeats); returns ``batch``."""
         self._apply(HeartbeatEvent(self._stimulus("seen"), address, time.monotonic()))
+        self.diagnostics.seen(address)
         return batch
 
     def _notify_workers_changed(self) -> None:
@@ -352,9 +371,15 @@ class Scheduler:
         sid = getattr(msg, "stimulus_id", "") or self._stimulus(msg.__struct_config__.tag)  # type: ignore[arg-type]
         match msg:
             case TaskFinishedMsg():
+                ts = self.state.tasks.get(msg.key)
+                self.diagnostics.task_ran(address, msg.key, msg.timing, msg.transfers, True,
+                                          ts.group.name if ts is not None and ts.group is not None else None)
                 self._apply(TaskFinishedEvent(sid, address, msg.key, msg.nbytes or 0, msg.duration or 0.0,
                                               msg.shm, msg.value))
             case WorkerTaskErredMsg():
+                ts = self.state.tasks.get(msg.key)
+                self.diagnostics.task_ran(address, msg.key, msg.timing, msg.transfers, False,
+                                          ts.group.name if ts is not None and ts.group is not None else None)
                 self._apply(TaskErredEvent(sid, address, msg.key, msg.exception, msg.traceback, msg.text))
             case MissingDataMsg():
                 self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker))
@@ -367,6 +392,7 @@ class Scheduler:
                           "unmanaged": msg.unmanaged, "process": msg.process}
                 self._apply(WorkerMemoryEvent(sid, address, {k: max(int(v), 0) for k, v in memory.items()},
                                               msg.paused))
+                self.diagnostics.worker_figures(address, msg.cpu, msg.transfers_in, msg.transfers_out)
             case HeartbeatMsg():
                 pass  # a sign of life, noted for the whole batch (_seen)
 

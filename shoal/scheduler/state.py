@@ -91,8 +91,10 @@ from .events import (
     WorkerMemoryEvent,
 )
 from .liveness import expired, note_seen
+from .progress import key_prefix
 from .model import (
     InvalidTransition,
+    PrefixGroup,
     TaskState,
     WorkerState,
     dependents_closure,
@@ -166,6 +168,8 @@ class SchedulerState(TaskTransitions):
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
         self.queued: list[TaskState] = []  # heap by priority
+        #: the known tasks counted by key prefix and state (the dashboard's progress)
+        self.groups: dict[str, PrefixGroup] = {}
         #: the events handled (opaque data dropped) and every task's transitions
         self.log = StateLog(events=log_size, transitions=10 * log_size)
         self._generation = itertools.count()
@@ -210,6 +214,16 @@ class SchedulerState(TaskTransitions):
                 self._fill_all()
         self._instructions = []
         return out
+
+    def _join_group(self, ts: TaskState) -> None:
+        """Count the new task ``ts`` (released) in its key prefix's group."""
+        name = key_prefix(ts.key)
+        g = self.groups.get(name)
+        if g is None:
+            g = self.groups[name] = PrefixGroup(name)
+        g.size += 1
+        g.states[ts.state] += 1
+        ts.group = g
 
     def story(self, *keys: Key) -> list[Transition]:
         """What happened to ``keys``: their transitions still in the log, oldest
@@ -319,6 +333,7 @@ class SchedulerState(TaskTransitions):
         for i, key in enumerate(order):
             t = new[key]
             ts = TaskState(key, payload=t.payload, priority=(-t.priority, generation, i), retries=t.retries)
+            self._join_group(ts)
             if t.restrictions is not None:
                 ts.restrictions = set(t.restrictions)
                 ts.loose_restrictions = t.loose_restrictions
@@ -327,10 +342,13 @@ class SchedulerState(TaskTransitions):
             self.tasks[key] = ts
             created.append(ts)
         for ts in created:
+            inputs = ts.group.dependencies if ts.group is not None else set()
             for dep_key in new[ts.key].dependencies:
                 dep = self.tasks[dep_key]
                 ts.dependencies.add(dep)
                 dep.dependents.add(ts)
+                if dep.group is not None:
+                    inputs.add(dep.group.name)
         for key in ev.wanted:
             if key in self.tasks:
                 self.tasks[key].who_wants.add(ev.client)
@@ -440,6 +458,7 @@ class SchedulerState(TaskTransitions):
             ts = self.tasks.get(key)
             if ts is None:
                 ts = self.tasks[key] = TaskState(key, priority=(0, next(self._generation), 0))
+                self._join_group(ts)
             ts.who_wants.add(ev.client)
             if ts.state == "processing":
                 # a task is computing this key already: keep it; it will report the value,

@@ -15,7 +15,7 @@ from typing import Any
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
-from .model import TaskState, TState, WorkerState
+from .model import PrefixGroup, TaskState, TState, WorkerState
 
 __all__ = ["TaskTransitions"]
 
@@ -27,6 +27,7 @@ class TaskTransitions:
     tasks: dict[Any, TaskState]
     workers: dict[str, WorkerState]
     queued: list[TaskState]
+    groups: dict[str, PrefixGroup]
     log: StateLog
     _stimulus: str
     _instructions: list[Instruction]
@@ -67,6 +68,16 @@ class TaskTransitions:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
         self.log.transitions.append((ts.key, start, finish, self._stimulus))
+        g = ts.group
+        if g is not None:
+            states = g.states
+            states[start] -= 1
+            states[finish] += 1
+            if finish == "memory" and not ts.done:
+                ts.done = True
+                g.done += 1
+            elif finish == "forgotten" and states["forgotten"] == g.size and self.groups.get(g.name) is g:
+                del self.groups[g.name]
 
     def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
         start = ts.state

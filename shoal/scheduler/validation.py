@@ -14,6 +14,7 @@ STATES = {"released", "waiting", "queued", "processing", "memory", "erred"}
 
 def validate_state(state: SchedulerState) -> None:
     """Check every invariant; raise ``AssertionError`` on the first broken one."""
+    _validate_groups(state)
     for key, ts in state.tasks.items():
         assert ts.key == key
         assert ts.state in STATES, ts
@@ -79,3 +80,18 @@ def validate_state(state: SchedulerState) -> None:
             assert amount <= ws.resources.get(name, 0) + 1e-6, f"{ws} holds more {name} than it has"
         # only a check finds a worker overdue, and only when the rule is on
         assert not ws.overdue or (state.worker_ttl > 0 and ws.last_seen is not None), ws
+
+
+def _validate_groups(state: SchedulerState) -> None:
+    """The prefix groups count the known tasks by state (the forgotten ones aside)."""
+    counted: dict[str, dict[str, int]] = {}
+    for ts in state.tasks.values():
+        g = ts.group
+        assert g is not None and state.groups.get(g.name) is g, f"{ts} is in no group of the state"
+        counts = counted.setdefault(g.name, {})
+        counts[ts.state] = counts.get(ts.state, 0) + 1
+    for name, g in state.groups.items():
+        live = {s: n for s, n in g.states.items() if n and s != "forgotten"}
+        assert live == counted.get(name, {}), f"group {name}: counts {live} for tasks {counted.get(name, {})}"
+        assert sum(g.states.values()) == g.size and g.states["forgotten"] < g.size, g
+        assert 0 <= g.done <= g.size, g

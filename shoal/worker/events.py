@@ -75,11 +75,14 @@ class ExecuteSuccessEvent(Event):
     shm: Any = None
     #: the value itself, serialized for the scheduler, when small and wanted by a client
     inline: Any = None
+    #: for the task stream: (start, stop, thread) and the inputs moved here for it
+    timing: tuple[float, float, int] | None = None
+    transfers: list[tuple[str, str, int, str, float, float]] | None = None
 
     def logged(self) -> ExecuteSuccessEvent:
         """This event for the log: without the value (nor its inline copy)."""
         return ExecuteSuccessEvent(self.stimulus_id, self.key, DROPPED, self.nbytes, self.duration, self.shm,
-                                   _dropped(self.inline))
+                                   _dropped(self.inline), self.timing, self.transfers)
 
 
 @dataclass
@@ -88,11 +91,14 @@ class ExecuteFailureEvent(Event):
     exception: Any
     traceback: Any
     text: str
+    timing: tuple[float, float, int] | None = None
+    transfers: list[tuple[str, str, int, str, float, float]] | None = None
 
     def logged(self) -> ExecuteFailureEvent:
         """This event for the log: without the exception object (its text stays)."""
         tb = self.traceback if isinstance(self.traceback, (str, type(None))) else DROPPED
-        return ExecuteFailureEvent(self.stimulus_id, self.key, _dropped(self.exception), tb, self.text)
+        return ExecuteFailureEvent(self.stimulus_id, self.key, _dropped(self.exception), tb, self.text,
+                                   self.timing, self.transfers)
 
 
 @dataclass

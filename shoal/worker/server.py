@@ -46,13 +46,13 @@ from ..protocol.messages import (
     FreeKeysMsg,
     Msg,
     PluginAddMsg,
-    SegmentRef,
     decode,
 )
 from ..taskspec import RunSpec, run, takes_parameter
 from . import actor, context, upload
 from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
 from .memory import Thresholds, parse_memory_limit
+from .diagnostics import CpuMeter, Traffic
 from .monitor import MemoryMonitor, memory_report
 from .store import WorkerStore
 from .outcomes import (
@@ -63,7 +63,6 @@ from .outcomes import (
     fetch_error,
     inline_value,
     may_pass,
-    nbytes_of,
 )
 from .threads import TaskThreads
 from .state import (
@@ -168,7 +167,9 @@ class Worker:
         self.use_shm = False
         self._born_in_shm = False
         #: bytes of values this worker sent or received, by how they travelled
-        self.transfers = {"inproc": 0, "shm": 0, "tcp": 0}
+        #: bytes moved by path, and the inputs moved here for the task stream
+        self.traffic = Traffic()
+        self._cpu = CpuMeter()
         #: the state machine failed (a bug): it gets no more events, the worker closes
         self.broken = False
         #: the scheduler connection broke without the scheduler telling this worker to
@@ -292,7 +293,8 @@ class Worker:
 
     def _report_memory(self, lazy: bool = False) -> None:
         """Tell the scheduler this worker's memory (``lazy``: with the next batch)."""
-        msg: dict[str, Any] = {"op": "worker-memory", **self.memory()}
+        msg: dict[str, Any] = {"op": "worker-memory", **self.memory(), "cpu": self._cpu.read(),
+                               **self.traffic.report()}
         if self.paused:
             msg["paused"] = True
         if self.stream is not None:
@@ -340,7 +342,7 @@ class Worker:
                     msg = decode(SCHEDULER_TO_WORKER, raw, "the scheduler: ")
                     match msg:
                         case ComputeTaskMsg():
-                            self._count_payload(msg.payload)
+                            self.traffic.payload(msg.payload)
                             # the scheduler's stimulus, when it says: its story and ours meet
                             events.append(ComputeTaskEvent(
                                 msg.stimulus_id or self._stimulus("compute"), msg.key, msg.payload, msg.who_has,
@@ -465,6 +467,8 @@ class Worker:
         place = self.use_shm
         fits = self.store.fits if self.monitor is None else self.monitor.fits
         report = ts.report
+        transfers = self.traffic.arrivals.take(deps) or None
+        threads = self.threads
 
         def work() -> None:
             if ts.state != "executing":
@@ -474,6 +478,7 @@ class Worker:
                 return
             segment: shm.Segment | None = None
             event: ExecuteSuccessEvent | ExecuteFailureEvent
+            began = 0.0
             # get_worker()/get_client() work from here on: in the task, and while its
             # arguments unpickle (a Future among them binds to this worker's client)
             context.enter_task(self, key)
@@ -486,12 +491,15 @@ class Worker:
                         spec = deserialize(spec)
                     if not isinstance(spec, RunSpec):
                         raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
+                    began = time.time()
                     start = time.perf_counter()
                     value = run(spec, deps)
                     # a task that seceded computed until then; the rest it waited
                     duration = (context.seceded_at() or time.perf_counter()) - start
                 except BaseException as exc:  # noqa: BLE001 - user code may raise anything
                     event = failure_event(self._stimulus(f"task-erred-{key}"), key, exc, destination)
+                    event.timing = (began or time.time(), time.time(), threads.index())
+                    event.transfers = transfers
                 else:
                     try:
                         nbytes = sizeof(value, strict=True)
@@ -506,7 +514,8 @@ class Worker:
                         segment, value = placed
                     inline = inline_value(value, nbytes, destination) if report else None
                     event = ExecuteSuccessEvent(self._stimulus(f"task-finished-{key}"), key, value, nbytes, duration,
-                                                None if segment is None else segment.info, inline)
+                                                None if segment is None else segment.info, inline,
+                                                (began, began + duration, threads.index()), transfers)
             except BaseException as exc:  # noqa: BLE001 - whatever a result made us raise is its task's
                 if segment is not None:
                     segment.unlink()
@@ -586,6 +595,7 @@ class Worker:
 
     async def _fetch(self, inst: GatherDep) -> None:
         """One attempt of :meth:`_gather_dep`: raises if it did not get an answer."""
+        began = time.time()
         comm = await self.pool.connect(inst.worker)
         try:
             await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
@@ -606,6 +616,7 @@ class Worker:
             raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
         data = response["result"]["data"]
         nbytes = {k: sizeof(v) for k, v in data.items()}
+        self.traffic.fetched(comm.destination, nbytes, data.values(), inst.worker, began, time.time())
         self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
 
     # -- rpc handlers
@@ -646,54 +657,28 @@ class Worker:
                 continue
             data[key] = value
             nbytes[key] = sizeof(value)
-        self.transfers["shm"] += sum(nbytes.values())
+        self.traffic.mapped(nbytes, time.time())
         self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
 
     def identity(self, comm: Comm | None = None) -> dict[str, Any]:
         return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
                 "pid": os.getpid(), "host": socket.gethostname()}
 
-    def _count(self, comm: Comm, nbytes: int, values: Any = ()) -> None:
-        if comm.destination == SAME_PROCESS:
-            self.transfers["inproc"] += nbytes
-            return
-        mapped = sum(shm_family.shm_bytes(v) for v in values) if comm.destination == SAME_HOST else 0
-        self.transfers["shm"] += mapped
-        self.transfers["tcp"] += max(nbytes - mapped, 0)
-
-    def _count_payload(self, payload: Any) -> None:
-        """A task's arguments count as moved: by reference (in this process), or their
-        buffers mapped, or in frames over tcp."""
-        if type(payload) is Serialize and type(payload.data) is RunSpec:
-            self.transfers["inproc"] += payload.data.nbytes
-            return
-        if type(payload) is not Serialized or payload.family != "shoal.runspec":
-            return
-        refs = payload.header.get("refs") if isinstance(payload.header, dict) else None
-        if isinstance(refs, list):
-            for ref in refs:
-                if ref is not None:
-                    try:
-                        self.transfers["shm"] += SegmentRef.parse(ref).length
-                    except ValueError:
-                        pass  # running the task says what is wrong with it
-        self.transfers["tcp"] += sum(nbytes_of(f) for f in payload.frames[2:])
-
     def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         assert self.state is not None
         store = self.store
         # a spilled value is read for the peer and stays on disk here
         found = {k: store.peek(k) for k in keys if k in store}
-        self._count(comm, sum(sizeof(v) for v in found.values()), found.values())
+        self.traffic.served(comm.destination, sum(sizeof(v) for v in found.values()), found.values())
         return {"data": {k: to_serialize(v) for k, v in found.items()}}
 
     def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
-        return dict(self.transfers)
+        return dict(self.traffic.moved)
 
     def update_data(self, comm: Comm, data: dict[Any, Any]) -> dict[str, Any]:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
         nbytes = {k: sizeof(v) for k, v in values.items()}
-        self._count(comm, sum(nbytes.values()), values.values())
+        self.traffic.pushed(comm.destination, sum(nbytes.values()), values.values())
         if not self.handle_stimulus(UpdateDataEvent(self._stimulus("update-data"), values, nbytes)):
             raise RuntimeError(f"worker {self.address} met an internal error and is closing; "
                                f"{short_repr(list(values), 200)} not stored")

@@ -323,11 +323,15 @@ class WorkerState:
         ts.nbytes = ev.nbytes
         self._put(ts, ev.value)
         if ts.state == "memory" and ts.origin == "compute":
-            msg = {"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration}
+            msg: dict[str, Any] = {"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration}
             if ev.shm is not None:
                 msg["shm"] = ev.shm
             if ev.inline is not None:
                 msg["value"] = ev.inline
+            if ev.timing is not None:
+                msg["timing"] = ev.timing
+            if ev.transfers:
+                msg["transfers"] = ev.transfers
             self._send(msg)
         self._release_unneeded_deps(ts)
 
@@ -336,10 +340,15 @@ class WorkerState:
         if ts is None:
             return
         if ts.state == "executing":
-            self._send({
+            msg = {
                 "op": "task-erred", "key": ts.key, "exception": ev.exception,
                 "traceback": ev.traceback, "text": ev.text,
-            })
+            }
+            if ev.timing is not None:
+                msg["timing"] = ev.timing
+            if ev.transfers:
+                msg["transfers"] = ev.transfers
+            self._send(msg)
         self._lose(ts)
 
     def _gather_success(self, ev: GatherDepSuccessEvent) -> None:

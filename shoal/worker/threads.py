@@ -134,14 +134,20 @@ class TaskThreads:
         with self._lock:
             self._count += 1
             n = self._count
-        t = threading.Thread(target=self._main, name=f"{self.name}-{n}", daemon=True)
+        t = threading.Thread(target=self._main, args=(n,), name=f"{self.name}-{n}", daemon=True)
         with self._lock:
             self.threads.add(t)
         t.start()
 
-    def _main(self) -> None:
+    def index(self) -> int:
+        """The number of the calling task thread in this pool (from 1, in the order
+        they started; 0 outside the pool's threads)."""
+        return getattr(self._local, "index", 0)
+
+    def _main(self, index: int = 0) -> None:
         local = self._local
         local.pool = self
+        local.index = index
         local.seceded = False
         try:
             if self._initializer is not None:

@@ -410,6 +410,8 @@ REQUEST_OPS = {
     "update-data": ("shm", {"who_has": {}, "nbytes": {}, "client": "canary"}),
     "ncores": ("x", {}),
     "counters": ("x", {}),
+    "get-task-stream": ("x", {}),
+    "diagnostics": ("x", {}),
     "retire-all": ("x", {}),  # the extra field makes it a bad call: it never runs
     # coordination (waiting ops with timeout 0: they answer at once)
     "variable-set": ("data", {"name": "canary"}),

@@ -61,6 +61,8 @@ def test_public_api_is_pinned():
         "get_worker", "secede", "rejoin", "worker_client",
         "Variable", "Queue", "Lock", "Event", "Semaphore", "Pub", "Sub",
         "WorkerPlugin", "SchedulerPlugin", "Actor", "ActorFuture", "BaseActorFuture",
+        # diagnostics (issue 14)
+        "get_task_stream", "performance_report",
     ])
     for name in shoal.__all__:
         assert getattr(shoal, name) is not None
