@@ -331,3 +331,30 @@ def auth_files() -> set[str]:
     """The names in this user's auth directory now."""
     auth_dir = security.auth_dir()
     return set(os.listdir(auth_dir)) if os.path.isdir(auth_dir) else set()
+
+
+@contextlib.contextmanager
+def small_tmpfs(size: str = "1m") -> Iterator[str]:
+    """A tmpfs of ``size`` (``mount -o size=``) mounted on a new temporary directory,
+    for tests of full disks and full shared memory; unmounted (lazily, so a process
+    that still holds a file there cannot keep it) and removed afterwards. Needs root:
+    skips the test otherwise."""
+    import shutil
+    import tempfile
+
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a tmpfs")
+    path = tempfile.mkdtemp(prefix="shoal-test-tmpfs-")
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True,
+                              timeout=30)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode(errors='replace').strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+    finally:
+        os.rmdir(path)

@@ -12,6 +12,7 @@ import pytest
 
 import shoal
 from shoal.testing import wait_for
+from shoal_helpers import small_tmpfs
 
 np = pytest.importorskip("numpy")
 
@@ -148,26 +149,8 @@ def noise(i, nbytes):
     return np.random.default_rng(i).random(nbytes // 8)
 
 
-def _mount_tmpfs(path, size):
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return "needs root to mount a tmpfs"
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       timeout=30)
-    return None if p.returncode == 0 else f"cannot mount a tmpfs: {p.stderr.decode(errors='replace')}"
-
-
-def test_a_full_disk_keeps_values_in_memory_and_pauses_the_worker(tmp_path):
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    why = _mount_tmpfs(disk, "1m")
-    if why:
-        pytest.skip(why)
-    try:
+def test_a_full_disk_keeps_values_in_memory_and_pauses_the_worker():
+    with small_tmpfs("1m") as disk:
         limit, size = 300 * MiB, 16 * MiB
         with shoal.LocalCluster(n_workers=1, processes=True, memory_limit=limit, local_directory=str(disk)) as cluster, \
                 shoal.Client(cluster) as client:
@@ -189,8 +172,6 @@ def test_a_full_disk_keeps_values_in_memory_and_pauses_the_worker(tmp_path):
             del futures[:6]
             wait_for(lambda: worker()["status"] == "running", timeout=30, what="the worker to go on")
             assert client.submit(total, np.ones(3)).result(timeout=30) == 3.0
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
 
 
 def test_a_killed_worker_with_spilled_values_comes_back_without_them_and_they_are_computed_again(tmp_path):

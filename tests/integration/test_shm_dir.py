@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from shoal_helpers import small_tmpfs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,20 +36,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _mount_small_tmpfs(path: str, size: str) -> str | None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return "needs root to mount a tmpfs"
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, timeout=30)
-    return None if p.returncode == 0 else f"cannot mount a tmpfs: {p.stderr.decode(errors='replace')}"
-
-
-def test_a_cluster_uses_the_shared_memory_directory_it_is_given(tmp_path):
-    shm_dir = tmp_path / "shm"
-    shm_dir.mkdir()
-    why = _mount_small_tmpfs(str(shm_dir), "6m")
-    if why:
-        pytest.skip(why)
-    try:
+def test_a_cluster_uses_the_shared_memory_directory_it_is_given():
+    with small_tmpfs("6m") as shm_dir:
         env = {**os.environ, "SHOAL_SHM_DIR": str(shm_dir)}
         p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=100)
         assert p.returncode == 0, p.stderr
@@ -59,5 +47,3 @@ def test_a_cluster_uses_the_shared_memory_directory_it_is_given(tmp_path):
         assert out["shm"] >= 1 << 20
         assert out["tcp"] >= 1 << 20
         assert [n for n in os.listdir(shm_dir) if n.startswith("shoal-")] == []
-    finally:
-        subprocess.run(["umount", "-l", str(shm_dir)], capture_output=True, timeout=30)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import gc
 import json
@@ -11,7 +10,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 import threading
 
 import numpy as np
@@ -19,6 +17,7 @@ import pandas as pd
 import pytest
 
 from shoal.comm import shm
+from shoal_helpers import small_tmpfs
 from shoal.worker import spill
 from shoal.worker.store import WorkerStore
 
@@ -245,23 +244,6 @@ def test_unpicklable_values_stay_in_memory_and_are_not_retried(store, monkeypatc
     assert store.unspillable == {"file"}
     store["file"].close()
     check_totals(store)
-
-
-@contextlib.contextmanager
-def small_tmpfs(size: str = "1m"):
-    """A tmpfs of ``size`` mounted in a temporary directory (root only)."""
-    path = tempfile.mkdtemp(prefix="shoal-test-tmpfs-")
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                              capture_output=True, timeout=30)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode(errors='replace').strip()}")
-        try:
-            yield path
-        finally:
-            subprocess.run(["umount", path], check=True, timeout=30)
-    finally:
-        os.rmdir(path)
 
 
 def test_a_full_disk_keeps_values_in_memory_warns_once_and_recovers(caplog):
