@@ -94,7 +94,10 @@ def _scheduler(args: argparse.Namespace) -> int:
     scheme = "tls" if sec.tls else "tcp"
 
     async def run() -> None:
-        scheduler = Scheduler(security=sec)
+        dashboard = None if args.no_dashboard else args.dashboard_address
+        if dashboard is not None and dashboard.startswith(":"):
+            dashboard = _hostport(args.host, 0).rpartition(":")[0] + dashboard  # the scheduler's host
+        scheduler = Scheduler(security=sec, dashboard_address=dashboard)
         auth_address = ""
         try:
             share = sec.auth and not args.auth_file
@@ -112,6 +115,9 @@ def _scheduler(args: argparse.Namespace) -> int:
             print(f"shoal scheduler at {scheduler.address}", flush=True)
             if auth_address:
                 print(f"shoal scheduler auth file {written}", flush=True)
+            # last: scripts that read the first lines keep working
+            if scheduler.dashboard_link:
+                print(f"shoal dashboard at {scheduler.dashboard_link}", flush=True)
             await signals.wait()
         finally:
             await _closing(scheduler.close(), "the scheduler")
@@ -338,6 +344,16 @@ def _nannies(args: argparse.Namespace) -> int:
     return 0 if signals.received or all(c == 0 for c in codes) else 1
 
 
+def _dashboard_argument(text: str) -> str:
+    from .dashboard import parse_dashboard_address
+
+    try:
+        parse_dashboard_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -469,6 +485,10 @@ def parser() -> argparse.ArgumentParser:
                        help="interface to listen on (0.0.0.0: all of them; without TLS, a warning)")
     sched.add_argument("--port", type=int, default=DEFAULT_SCHEDULER_PORT,
                        help="port to listen on (0: a free one). Not dask's 8786: both schedulers run side by side")
+    sched.add_argument("--dashboard-address", default=":8790", metavar="[HOST]:PORT", type=_dashboard_argument,
+                       help="where to serve the dashboard (no HOST: the scheduler's --host; a port that is "
+                            "taken: a free one; the link is printed on stdout). Not dask's 8787")
+    sched.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
     _security_arguments(sched)
     sched.set_defaults(func=_scheduler)
     worker = command("worker", "run a worker (or --nworkers of them) that joins the scheduler at ADDRESS; "

@@ -93,6 +93,11 @@ _DEFAULTS: dict[str, Any] = {
     # that were not asked for, memory past terminate) within nanny-restart-window seconds
     "nanny-max-restarts": 5,
     "nanny-restart-window": 60.0,
+    # the dashboard sends each open page an update this often, in seconds
+    "dashboard-interval": 0.5,
+    # task-stream records the scheduler keeps (the oldest go first): what the dashboard,
+    # get_task_stream and performance_report can show
+    "dashboard-task-stream-size": 100_000,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

@@ -133,6 +133,8 @@ def main(n: int = 2000, block: int = 500, chunks: int = 16, chunk_size: int = 1_
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=processes) as cluster, Client(cluster) as client:
             startup = time.perf_counter() - t0
             print(f"== local cluster with {kind} (started in {startup * 1e3:.0f} ms)")
+            if cluster.dashboard_link:
+                print(f"dashboard at {cluster.dashboard_link} (while this cluster runs)")
             secs, checksum, (a, b) = blocked_matmul(client, n, block, show)
             nb = n // block
             full_a = np.block([[client.gather(a[i, k]) for k in range(nb)] for i in range(nb)])

@@ -10,8 +10,8 @@ would run it, on 2 worker processes x 1 thread (unless stated), loopback only.
 
 How each system is set up (facts of this machine, see /work/shared/design.md):
 
-- shoal: ``LocalCluster(n_workers=2, threads_per_worker=1, processes=..., host="127.0.0.1")``
-  and ``Client(cluster)``; pinning with ``workers=[address]``.
+- shoal: ``LocalCluster(n_workers=2, threads_per_worker=1, processes=..., host="127.0.0.1",
+  dashboard_address=None)`` and ``Client(cluster)``; pinning with ``workers=[address]``.
 - dask: ``distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=...,
   dashboard_address=None, host="127.0.0.1")`` and ``Client(cluster)`` with dask's default
   configuration (so root-task queuing, ``worker-saturation: 1.1``, is on); in-process
@@ -182,7 +182,8 @@ class FuturesSession(Session):
 class ShoalSession(FuturesSession):
     system = "shoal"
 
-    def __init__(self, processes: bool = True, tls: bool = False, memory_limit: Any = None):
+    def __init__(self, processes: bool = True, tls: bool = False, memory_limit: Any = None,
+                 dashboard_address: str | None = None):
         import shoal
 
         self.module = shoal
@@ -192,8 +193,9 @@ class ShoalSession(FuturesSession):
         security = shoal.Security.temporary() if tls else None
         # memory_limit None: LocalCluster's default ("auto", as dask's)
         limit = {} if memory_limit is None else {"memory_limit": memory_limit}
+        # no dashboard unless asked (dask's and Ray's are off here too; `dashboard` measures it)
         self.cluster = shoal.LocalCluster(n_workers=2, threads_per_worker=1, processes=processes, host="127.0.0.1",
-                                          security=security, **limit)
+                                          security=security, dashboard_address=dashboard_address, **limit)
         self.client: Any = None
         self.workers = []
         try:

@@ -117,6 +117,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         #: tasks' arguments will be pickled (a worker or the scheduler is in another
         #: process): they are checked at submit
         self._pickles_tasks = True
+        #: the scheduler's dashboard link, as it said when this client registered
+        self._dashboard_link: str | None = None
         if not asynchronous:
             # A client of a cluster running in this process shares the cluster's loop:
             # client and scheduler then talk on one thread (no wake-ups between them).
@@ -166,6 +168,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         if not isinstance(reply, dict) or reply.get("status") != "OK":
             comm.abort()
             raise RuntimeError(f"the scheduler refused this client: {reply!r:.200}")
+        link = reply.get("dashboard")
+        self._dashboard_link = link if isinstance(link, str) else None
         self._comm = comm
         # values in shared memory: mapped when this process shares the domain (tried, not assumed)
         self._use_shm = shm.enabled()
@@ -284,6 +288,12 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
 
     def __repr__(self) -> str:
         return f"<Client {self.id} scheduler={self.scheduler_address!r} {self.status}>"
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The URL of the cluster's dashboard (its status page), or None without one."""
+        link = getattr(self.cluster, "dashboard_link", None) if self.cluster is not None else None
+        return link if isinstance(link, str) else self._dashboard_link
 
     # -- sync/async plumbing
 

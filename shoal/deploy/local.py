@@ -57,7 +57,9 @@ class LocalCluster:
     ``local-directory`` setting, else the system's temporary directory). Worker
     processes run under nannies in this process, which start them again when they die
     or pass their memory limit (``restarts`` counts it).
-    ``dashboard_address`` is accepted for dask's sake (no dashboard yet);
+    ``dashboard_address``: where the scheduler serves its dashboard (``":8790"``, port
+    8790 of ``host``, or the next free port if taken; ``"127.0.0.1:0"``; None: no
+    dashboard), whose status page is ``dashboard_link``;
     ``silence_logs`` (a level, or True for warnings) sets the level of shoal's loggers.
     ``workers`` is ``{name: worker}``: :class:`~shoal.worker.server.Worker` objects
     in-process, :class:`~.processes.WorkerProcess` handles with processes; names are
@@ -71,7 +73,7 @@ class LocalCluster:
     def __init__(self, n_workers: int = 2, threads_per_worker: int = 1, processes: bool = True,
                  host: str = "127.0.0.1", asynchronous: bool = False, timeout: float = 30.0,
                  security: Security | None = None, resources: dict[str, float] | None = None,
-                 dashboard_address: str | None = None, silence_logs: int | bool | None = None,
+                 dashboard_address: str | None = ":8790", silence_logs: int | bool | None = None,
                  memory_limit: Any = "auto", local_directory: str | None = None):
         if not isinstance(n_workers, int) or n_workers < 0:
             raise ValueError(f"n_workers must be an integer >= 0, got {n_workers!r}")
@@ -80,7 +82,7 @@ class LocalCluster:
         self.local_directory = local_directory
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        #: accepted for dask's sake: shoal has no dashboard yet (issue 14)
+        #: where the scheduler serves its dashboard (None: nowhere)
         self.dashboard_address = dashboard_address
         if silence_logs:
             # as dask: shoal's loggers show only this level and above (True: warnings)
@@ -139,6 +141,11 @@ class LocalCluster:
         return self.scheduler.address
 
     @property
+    def dashboard_link(self) -> str | None:
+        """The dashboard's status page (``http://127.0.0.1:8790/status``), or None."""
+        return self.scheduler.dashboard_link if self.scheduler is not None else None
+
+    @property
     def worker_addresses(self) -> list[str]:
         assert self.scheduler is not None
         return sorted(self.scheduler.state.workers)
@@ -189,7 +196,10 @@ class LocalCluster:
         self._loop = asyncio.get_running_loop()
         self._scaling = asyncio.Lock()
         self._logs.attach()
-        self.scheduler = Scheduler(security=self.security)
+        dashboard = self.dashboard_address
+        if isinstance(dashboard, str) and dashboard.startswith(":"):
+            dashboard = _hostport(self.host, 0).rpartition(":")[0] + dashboard  # (an inproc scheduler has no host)
+        self.scheduler = Scheduler(security=self.security, dashboard_address=dashboard)
         scheme = "tls" if self.security.tls else "tcp"
         with self._logs.owned_by("Scheduler"):
             await self.scheduler.start(f"{scheme}://" + _hostport(self.host, 0) if self.processes else "inproc://")

@@ -105,10 +105,15 @@ class Scheduler:
     """Serves workers and clients; all decisions are :class:`SchedulerState`'s."""
 
     def __init__(self, name: str = "scheduler", security: Security | None = None,
-                 plugins: Iterable[SchedulerPlugin] = ()):
+                 plugins: Iterable[SchedulerPlugin] = (), dashboard_address: str | None = None):
         self.state = SchedulerState(worker_ttl=config.get("worker-ttl"))
         #: the task stream and the figures the dashboard shows (:mod:`.diagnostics`)
-        self.diagnostics = Diagnostics(self.state, lambda: self.address, time.time)
+        self.diagnostics = Diagnostics(self.state, lambda: self.address, time.time,
+                                       config.get("dashboard-task-stream-size"))
+        #: where to serve the dashboard (":8790": port 8790 of the host it listens on;
+        #: None: no dashboard); the running one (:mod:`shoal.dashboard`) or None
+        self.dashboard_address = dashboard_address
+        self.dashboard: Any = None
         #: objects of this process told what the scheduler does (:mod:`.plugin`)
         self.plugins: dict[str, SchedulerPlugin] = {}
         self._initial_plugins = list(plugins)
@@ -160,6 +165,11 @@ class Scheduler:
     def address(self) -> str:
         return self.server.address
 
+    @property
+    def dashboard_link(self) -> str | None:
+        """The dashboard's status page (``http://host:port/status``), or None."""
+        return self.dashboard.link if self.dashboard is not None else None
+
     async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:
         #: the loop it runs on (plugins of this process are added there)
         self.loop = asyncio.get_running_loop()
@@ -175,6 +185,10 @@ class Scheduler:
             self._liveness = asyncio.ensure_future(self._check_liveness(min(ttl / 4, 1.0)))
         for plugin in self._initial_plugins:
             await self.add_plugin(plugin)
+        if self.dashboard_address is not None and self.dashboard is None:
+            from ..dashboard import start_if_available  # (a layer above: only when asked)
+
+            self.dashboard = await start_if_available(self, self.dashboard_address)
         return self
 
     async def add_plugin(self, plugin: SchedulerPlugin, name: str | None = None) -> None:
@@ -225,6 +239,7 @@ class Scheduler:
             "type": "Scheduler",
             "id": self.name,
             "address": self.address,
+            "dashboard": self.dashboard_link,
             "n_workers": len(workers),
             "total_threads": sum(ws.nthreads for ws in workers),
             "workers": {
@@ -397,7 +412,7 @@ class Scheduler:
                 pass  # a sign of life, noted for the whole batch (_seen)
 
     async def add_client(self, comm: Comm, client: str, **_: Any) -> None:
-        await comm.write({"status": "OK", "address": self.address})
+        await comm.write({"status": "OK", "address": self.address, "dashboard": self.dashboard_link})
         # a client process of this host gets back the segments it handed its tasks'
         # arguments over in, once the tasks are forgotten (its next ones reuse them)
         peer_pid = comm.peer_info.get("pid")
@@ -602,6 +617,8 @@ class Scheduler:
 
     async def close(self) -> None:
         self.closing = True
+        if self.dashboard is not None:
+            await self.dashboard.close()  # first: its pages read the state that closing changes
         for name in list(self.plugins):
             await self.remove_plugin(name)
         if self._liveness is not None:

@@ -20,6 +20,9 @@ LAYERS = {
     "shoal.worker.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.worker"},
     # the client stands on the servers: actor refs and task context (worker), plugins (scheduler)
     "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.scheduler", "shoal.worker"},
+    # served by the scheduler (which imports it only when it starts one); .server: the
+    # package itself imports nothing
+    "shoal.dashboard.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.scheduler"},
 }
 ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing", "shoal.statelog"}
 
