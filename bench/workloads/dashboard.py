@@ -33,7 +33,7 @@ dashboard = Workload(
     "alternating, `rounds` times each).",
     metrics={"throughput_off": "tasks/s", "throughput_browser": "tasks/s",
              "latency_off": "us", "latency_browser": "us",
-             "throughput_browser_vs_off": "x", "latency_browser_vs_off": "x"},
+             "throughput_browser_vs_off": "x", "latency_browser_vs_off": "x ref"},
     params={"n": 10_000, "latency_n": 300, "rounds": 3},
     quick={"n": 200, "latency_n": 20, "rounds": 1},
     timeout=900,

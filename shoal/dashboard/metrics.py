@@ -32,19 +32,6 @@ PREFIX_STATES = ("waiting", "processing", "memory", "erred")
 class _Collector(Collector):
     def __init__(self, diagnostics: Diagnostics) -> None:
         self.diagnostics = diagnostics
-        # tasks done of prefixes that are no longer known (see _done): the total of a
-        # counter must not go down when a prefix's tasks are all forgotten
-        self._done_gone = 0
-        self._done_seen: dict[str, int] = {}
-
-    def _done(self, prefixes: list[dict[str, Any]]) -> int:
-        now = {p["prefix"]: p["done"] for p in prefixes}
-        for name, done in self._done_seen.items():
-            current = now.get(name)
-            if current is None or current < done:  # gone, or gone and made again since
-                self._done_gone += done
-        self._done_seen = now
-        return self._done_gone + sum(now.values())
 
     def collect(self) -> Iterator[Metric]:
         c = self.diagnostics.counters()
@@ -68,7 +55,7 @@ class _Collector(Collector):
         yield by_prefix
 
         yield CounterMetricFamily("shoal_tasks_done", "Tasks that reached memory (each counted once)",
-                                  value=self._done(prefixes))
+                                  value=c["done"])
 
         memory = GaugeMetricFamily("shoal_worker_memory_bytes", "Memory of each worker, by kind",
                                    labels=["worker", "kind"])

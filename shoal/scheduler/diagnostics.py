@@ -292,4 +292,4 @@ class Diagnostics:
                     states[s] = states.get(s, 0) + n
         return {"summary": self.summary(), "tasks": states, "progress": self.progress()["prefixes"],
                 "workers": self.workers(), "transfers": self.transfers(),
-                "done": sum(g.done for g in self._groups()), "task_stream_total": self.next_index}
+                "done": self.state.done_total, "task_stream_total": self.next_index}

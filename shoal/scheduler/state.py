@@ -170,6 +170,9 @@ class SchedulerState(TaskTransitions):
         self.queued: list[TaskState] = []  # heap by priority
         #: the known tasks counted by key prefix and state (the dashboard's progress)
         self.groups: dict[str, PrefixGroup] = {}
+        #: tasks that reached memory since the scheduler started, each counted once
+        #: (a counter: it never goes down, whatever is forgotten)
+        self.done_total = 0
         #: the events handled (opaque data dropped) and every task's transitions
         self.log = StateLog(events=log_size, transitions=10 * log_size)
         self._generation = itertools.count()

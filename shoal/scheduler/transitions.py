@@ -28,6 +28,7 @@ class TaskTransitions:
     workers: dict[str, WorkerState]
     queued: list[TaskState]
     groups: dict[str, PrefixGroup]
+    done_total: int
     log: StateLog
     _stimulus: str
     _instructions: list[Instruction]
@@ -76,6 +77,7 @@ class TaskTransitions:
             if finish == "memory" and not ts.done:
                 ts.done = True
                 g.done += 1
+                self.done_total += 1
             elif finish == "forgotten" and states["forgotten"] == g.size and self.groups.get(g.name) is g:
                 del self.groups[g.name]
 

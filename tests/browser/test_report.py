@@ -126,3 +126,27 @@ def test_the_task_stream_keeps_the_newest_20000_rectangles(tab, tmp_path):
     assert t.js("window.shoalDashboard.taskPoint('t-500')") is not None
     assert t.js("window.shoalDashboard.taskPoint('t-20499')") is not None
     t.done()
+
+
+def test_narrow_tasks_are_drawn_as_runs_until_zoomed_in(tab, tmp_path):
+    # 8,000 tasks of 50 us on 2 rows over ~0.8 s: hundreds to a pixel
+    now = time.time()
+    records = [{"index": i, "key": f"t-{i}", "prefix": "t", "worker": "inproc://1/1", "thread": 1 + i % 2,
+                "start": now + i * 1e-4, "stop": now + i * 1e-4 + 5e-5, "status": "OK", "transfers": []}
+               for i in range(8_000)]
+    records[4_000] = {**records[4_000], "key": "bad", "status": "error"}  # erred: never merged into a run
+    data = {**hostile_data(), "task_stream": records, "progress": {"prefixes": []}}
+    path = tmp_path / "narrow.html"
+    path.write_text(render_report(data), encoding="utf-8")
+    t = tab(offline=True)
+    t.page.goto(path.as_uri())
+    t.wait("() => window.shoalDashboard && window.shoalDashboard.taskCount() === 8000")
+    merged = t.js("window.shoalDashboard.taskRectangles()")
+    assert 3 <= merged < 800
+    assert t.js("window.shoalDashboard.taskPoint('bad')") is not None
+    # zoom in on 10 ms: the tasks in view are wider than a pixel, and drawn one by one
+    t.js("""t0 => window.shoalDashboard.charts['task-stream'].dispatchAction(
+        {type: 'dataZoom', dataZoomIndex: 0, startValue: t0, endValue: t0 + 10})""", (now + 0.4) * 1000)
+    more = t.wait("n => { const m = window.shoalDashboard.taskRectangles(); return m > n + 50 && m; }", merged)
+    assert more <= 8000 and t.js("window.shoalDashboard.taskCount()") == 8000
+    t.done()

@@ -469,6 +469,17 @@ def test_tasks_done_never_goes_down_when_tasks_are_forgotten(cluster, client):
     assert metrics(base)[("shoal_tasks_done_total", ())] == 15
 
 
+def test_tasks_done_counts_what_ran_between_two_scrapes(cluster, client):
+    base = base_of(cluster.dashboard_link)
+    before = metrics(base)[("shoal_tasks_done_total", ())]
+    futures = client.map(inc, range(200, 210))
+    client.gather(futures)
+    del futures
+    wait_until(lambda: not get_json(base + "/api/v1/progress")["prefixes"], "the tasks forgotten")
+    client.gather(client.map(inc, range(300, 303)))  # the same prefix again, nobody scraped in between
+    assert metrics(base)[("shoal_tasks_done_total", ())] == before + 13
+
+
 def test_two_schedulers_of_one_process_have_their_own_metrics(cluster, client, fast_updates):
     client.gather(client.map(inc, range(3)))
     with shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as other:

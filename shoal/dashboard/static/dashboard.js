@@ -6,15 +6,20 @@
 // server-sent events of api/v1/events; the report (data-page="report") feeds them
 // once from the JSON embedded in the page (the element #shoal-data, of type application/json).
 //
-// The page keeps at most MAX_TASKS task-stream records (the oldest go first) and
-// redraws the task stream at most once a second, whatever the rate of updates.
+// The page keeps at most MAX_TASKS task-stream records (the oldest go first). The
+// charts that changed are redrawn together, at most once a second, and less often
+// when drawing is slow (never more than about a twentieth of the page's time), whatever
+// the rate of updates: a page left open costs the cluster's host little. Tasks narrower than a pixel that follow each other on one row with the
+// same prefix are drawn as one rectangle (the picture is the same, the cost is
+// bounded by the chart's width, not by the task rate); zooming in draws each.
 // Every URL is relative, so the dashboard also works behind a path prefix.
 // window.shoalDashboard exposes what the charts hold, for tests and for the curious.
 (function () {
   "use strict";
 
   const MAX_TASKS = 20000;
-  const STREAM_REDRAW_MS = 1000;
+  const DRAW_MS = 1000;
+  const DRAW_COST_FACTOR = 19; // a drawing pass waits at least this many times as long as the last one took
   const RATE_WINDOW_S = 300;
   const GRAPH_REFRESH_MS = 2000;
   const TASK_REFRESH_MS = 2000;
@@ -64,8 +69,10 @@
 
   function formatTime(epoch) {
     if (epoch === null || epoch === undefined) return "\u2014";
+    // by hand: toLocaleTimeString is slow, and axis labels ask for many
     const d = new Date(epoch * 1000);
-    return d.toLocaleTimeString([], { hour12: false }) + "." + String(d.getMilliseconds()).padStart(3, "0");
+    const two = (n) => (n < 10 ? "0" : "") + n;
+    return two(d.getHours()) + ":" + two(d.getMinutes()) + ":" + two(d.getSeconds()) + "." + String(d.getMilliseconds()).padStart(3, "0");
   }
 
   function plural(n, one, many) { return n + " " + (n === 1 ? one : many); }
@@ -141,26 +148,90 @@
 
   window.addEventListener("resize", () => { for (const c of Object.values(charts)) c.resize(); });
 
+  // ---- pacing: what changed is drawn in one pass, DRAW_MS after the last pass (or
+  // sooner, ``soon``, for what the reader did), and never in more than about a twentieth
+  // of the time: a pass waits DRAW_COST_FACTOR times as long as the last one took
+
+  const frames = { dirty: new Map(), timer: null, last: 0, cost: 0, drawn: new Map() };
+
+  // ``what``: a text that says what ``draw`` would show; the same as last time: nothing to draw
+  function later(name, draw, soon, what) {
+    if (what !== undefined) {
+      if (frames.drawn.get(name) === what) return;
+      frames.drawn.set(name, what);
+    }
+    frames.dirty.set(name, draw);
+    if (frames.timer !== null) return;
+    const gap = Math.max(soon ? 0 : DRAW_MS, DRAW_COST_FACTOR * frames.cost);
+    frames.timer = setTimeout(drawPass, Math.max(0, gap - (performance.now() - frames.last)));
+  }
+
+  function drawPass() {
+    frames.timer = null;
+    const work = [...frames.dirty.values()];
+    frames.dirty.clear();
+    const began = performance.now();
+    for (const draw of work) draw();
+    frames.last = performance.now();
+    frames.cost = frames.last - began;
+  }
+
   const BASE = { animation: false, textStyle: { fontFamily: "inherit" } };
 
   // ---- the task stream: one row per worker thread, a rectangle per task, its inputs' transfers before it
 
-  const stream = { records: [], next: 0, drawn: null, lastDraw: 0, timer: null, clickable: true, many: null };
+  const stream = {
+    records: [], next: 0, drawn: null, clickable: true, many: null,
+    zoom: { start: 0, end: 100 }, // the part of the time axis in view (percent), as the reader zoomed
+  };
 
   function addRecords(records) {
     const kept = stream.records;
     for (const r of records) {
       if (r.index < stream.next) continue; // seen already (the first update repeats the latest)
+      r.row = rowName(r.worker, r.thread);
       kept.push(r);
       stream.next = r.index + 1;
     }
     if (kept.length > MAX_TASKS) kept.splice(0, kept.length - MAX_TASKS);
   }
 
-  function requestStreamDraw() {
-    if (stream.timer !== null) return;
-    const wait = Math.max(0, STREAM_REDRAW_MS - (Date.now() - stream.lastDraw));
-    stream.timer = setTimeout(() => { stream.timer = null; drawStream(); }, wait);
+
+  // Items [row, start, stop, record, count] (times in ms) with runs merged: on one row,
+  // an item narrower than ``tick`` that starts within ``tick`` of the run before it,
+  // and has the same ``kind(record)`` (null: never merged), joins that run.
+  function mergeRuns(items, tick, kind) {
+    // they come in the order they ran, so mostly sorted already: sort only if not
+    for (let i = 1; i < items.length; i++) {
+      const a = items[i - 1];
+      const b = items[i];
+      if (a[0] > b[0] || (a[0] === b[0] && a[1] > b[1])) {
+        items.sort((x, y) => x[0] - y[0] || x[1] - y[1]);
+        break;
+      }
+    }
+    const out = [];
+    let run = null;
+    let runKind = null;
+    for (const item of items) {
+      const k = item[2] - item[1] < tick ? kind(item[3]) : null;
+      if (run && k !== null && k === runKind && run[0] === item[0] && item[1] - run[2] < tick && run[2] - run[1] < 8 * tick) {
+        run[2] = Math.max(run[2], item[2]);
+        run[4] += item[4];
+        continue;
+      }
+      run = item;
+      runKind = k;
+      out.push(run);
+    }
+    return out;
+  }
+
+  // the time (ms) one pixel of the task stream's axis spans, for records spanning [lo, hi] ms
+  function pixelTime(c, lo, hi) {
+    const width = Math.max(100, c.getWidth() - 160);
+    const part = Math.max(1e-3, (stream.zoom.end - stream.zoom.start) / 100);
+    return ((hi - lo) * part) / width;
   }
 
   function rowName(worker, thread) { return worker + " #" + thread; }
@@ -168,12 +239,10 @@
   function drawStream() {
     const c = chart("task-stream");
     if (!c) return;
-    stream.lastDraw = Date.now();
     const records = stream.records.slice();
     const rowSet = new Map();
     for (const r of records) {
-      const name = rowName(r.worker, r.thread);
-      if (!rowSet.has(name)) rowSet.set(name, [r.worker, r.thread]);
+      if (!rowSet.has(r.row)) rowSet.set(r.row, [r.worker, r.thread]);
     }
     const rows = [...rowSet.keys()].sort((a, b) => {
       const [wa, ta] = rowSet.get(a);
@@ -181,18 +250,28 @@
       return wa === wb ? ta - tb : wa.localeCompare(wb, undefined, { numeric: true });
     });
     const rowIndex = new Map(rows.map((name, i) => [name, i]));
-    const tasks = [];
-    const moves = { inproc: [], shm: [], tcp: [] };
+    // one list per row, so that each is in the order its tasks ran
+    const byRow = rows.map(() => []);
+    const moves = Object.fromEntries(PATHS.map((p) => [p, rows.map(() => [])]));
     let erred = 0;
+    let lo = Infinity;
+    let hi = -Infinity;
     records.forEach((r, i) => {
-      const row = rowIndex.get(rowName(r.worker, r.thread));
-      tasks.push([row, r.start * 1000, r.stop * 1000, i]);
+      const row = rowIndex.get(r.row);
+      byRow[row].push([row, r.start * 1000, r.stop * 1000, i, 1]);
+      lo = Math.min(lo, r.start * 1000);
+      hi = Math.max(hi, r.stop * 1000);
       if (r.status !== "OK") erred++;
       (r.transfers || []).forEach((t, j) => {
-        if (moves[t.path]) moves[t.path].push([row, t.start * 1000, t.stop * 1000, i, j]);
+        if (!moves[t.path]) return;
+        moves[t.path][row].push([row, t.start * 1000, t.stop * 1000, i, 1, j]);
+        lo = Math.min(lo, t.start * 1000);
       });
     });
     stream.drawn = records;
+    const tick = records.length ? pixelTime(c, lo, hi) : 0;
+    const tasks = mergeRuns(byRow.flat(), tick, (i) => (records[i].status === "OK" ? records[i].prefix : null));
+    for (const p of PATHS) moves[p] = mergeRuns(moves[p].flat(), tick, () => p);
 
     const bar = (api, params, fraction, offset) => {
       const start = api.coord([api.value(1), api.value(0)]);
@@ -256,7 +335,7 @@
     c.setOption(option, { replaceMerge: replace });
     const count = document.getElementById("task-count");
     if (count) {
-      count.textContent = plural(tasks.length, "task", "tasks") + (erred ? ", " + erred + " erred" : "") +
+      count.textContent = plural(records.length, "task", "tasks") + (erred ? ", " + erred + " erred" : "") +
         (records.length >= MAX_TASKS ? " (the latest " + MAX_TASKS + ")" : "");
     }
   }
@@ -265,11 +344,14 @@
     if (!p.value) return "";
     const r = records[p.value[3]];
     if (!r) return "";
+    const many = p.value[4] > 1 ? "<br>" + formatSeconds((p.value[2] - p.value[1]) / 1000) + ", narrower than a pixel each: click to zoom in" : "";
     if (p.seriesName === "tasks") {
+      if (many) return "<b>" + plural(p.value[4], "task", "tasks") + " " + escapeHtml(r.prefix) + "</b><br>" + escapeHtml(rowName(r.worker, r.thread)) + many;
       return "<b>" + escapeHtml(r.key) + "</b><br>" + escapeHtml(rowName(r.worker, r.thread)) + "<br>" +
         formatSeconds(r.stop - r.start) + (r.status !== "OK" ? ' <span style="color:' + ERROR_COLOR + '">erred</span>' : "");
     }
-    const t = r.transfers[p.value[4]];
+    if (many) return escapeHtml(p.seriesName) + ": <b>" + plural(p.value[4], "transfer", "transfers") + "</b>" + many;
+    const t = r.transfers[p.value[5]];
     return escapeHtml(p.seriesName) + ": <b>" + escapeHtml(t.key) + "</b><br>" + formatBytes(t.bytes) + " from " +
       escapeHtml(t.from) + " in " + formatSeconds(t.stop - t.start) + "<br>for " + escapeHtml(r.key);
   }
@@ -277,9 +359,23 @@
   function enableStreamClicks() {
     const c = chart("task-stream");
     c.on("click", (p) => {
-      if (p.seriesName !== "tasks" || !stream.drawn) return;
+      if (!p.value || !stream.drawn) return;
+      if (p.value[4] > 1) { // a run of narrow tasks: zoom in on it
+        const pad = (p.value[2] - p.value[1]) * 0.1;
+        c.dispatchAction({ type: "dataZoom", dataZoomIndex: 0, startValue: p.value[1] - pad, endValue: p.value[2] + pad });
+        return;
+      }
+      if (p.seriesName !== "tasks" || !stream.clickable) return;
       const r = stream.drawn[p.value[3]];
       if (r) window.location.href = "task?key=" + encodeURIComponent(r.key);
+    });
+    c.on("datazoom", () => {
+      // what is in view changed: redraw soon, merging runs for the new scale
+      const zoom = c.getModel().getComponent("dataZoom", 0);
+      if (!zoom) return;
+      const [start, end] = zoom.getPercentRange();
+      stream.zoom = { start, end };
+      later("stream", drawStream, true);
     });
   }
 
@@ -521,15 +617,16 @@
       }
       state.summary = u.summary;
       state.workers = u.workers || [];
-      drawSummary(u.summary, state.workers);
+      later("summary", () => drawSummary(state.summary, state.workers));
       if (u.task_stream && u.task_stream.records.length) {
         addRecords(u.task_stream.records);
-        requestStreamDraw();
+        later("stream", drawStream);
       }
-      if (u.progress) { state.progress = u.progress; drawProgress(u.progress); }
-      drawMemory(state.workers);
-      drawCpu(state.workers);
-      if (u.transfers) { addTransfers(u.transfers); drawRates(rates.points); }
+      if (u.progress) { state.progress = u.progress; later("progress", () => drawProgress(state.progress), false, JSON.stringify(u.progress)); }
+      const names = state.workers.map(workerLabel).join("\n");
+      later("memory", () => drawMemory(state.workers), false, names + JSON.stringify(state.workers.map((w) => w.memory)));
+      later("cpu", () => drawCpu(state.workers), false, names + state.workers.map((w) => Math.round(w.cpu || 0)).join());
+      if (u.transfers) { addTransfers(u.transfers); later("rates", () => drawRates(rates.points)); }
     });
   }
 
@@ -574,8 +671,11 @@
     }
     listen((u) => {
       state.workers = u.workers || [];
-      drawSummary(u.summary, state.workers);
-      drawWorkersTable(state.workers, u.summary ? u.summary.time : Date.now() / 1000);
+      state.summary = u.summary;
+      later("workers", () => {
+        drawSummary(state.summary, state.workers);
+        drawWorkersTable(state.workers, state.summary ? state.summary.time : Date.now() / 1000);
+      });
     });
   }
 
@@ -804,7 +904,8 @@
   function reportPage() {
     const data = JSON.parse(document.getElementById("shoal-data").textContent);
     const records = data.task_stream || [];
-    stream.clickable = false;
+    stream.clickable = false; // no task pages offline (a run of narrow tasks still zooms)
+    enableStreamClicks();
     addRecords(records.map((r, i) => (r.index === undefined ? { ...r, index: i } : r)));
     drawStream();
     state.workers = data.workers || [];
@@ -837,11 +938,13 @@
   }
 
   window.shoalDashboard = {
-    /** task rectangles in the task-stream chart (from its data, as last drawn) */
-    taskCount() { return seriesData("task-stream", "tasks").length; },
-    /** transfer rectangles in the task-stream chart, by path */
+    /** tasks the task-stream chart shows (from its data, as last drawn; a run of narrow tasks drawn as one counts each) */
+    taskCount() { return seriesData("task-stream", "tasks").reduce((n, item) => n + item[4], 0); },
+    /** rectangles drawn for tasks in the task-stream chart (runs of narrow tasks merged) */
+    taskRectangles() { return seriesData("task-stream", "tasks").length; },
+    /** transfers the task-stream chart shows, by path */
     transferCounts() {
-      return Object.fromEntries(PATHS.map((p) => [p, seriesData("task-stream", PATH_NAMES[p]).length]));
+      return Object.fromEntries(PATHS.map((p) => [p, seriesData("task-stream", PATH_NAMES[p]).reduce((n, item) => n + item[4], 0)]));
     },
     /** where task ``key``'s rectangle is drawn, in page pixels ({x, y} of its middle), or null */
     taskPoint(key) {
