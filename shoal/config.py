@@ -94,7 +94,7 @@ _DEFAULTS: dict[str, Any] = {
     "nanny-max-restarts": 5,
     "nanny-restart-window": 60.0,
     # the dashboard sends each open page an update this often, in seconds
-    "dashboard-interval": 0.5,
+    "dashboard-interval": 1.0,
     # task-stream records the scheduler keeps (the oldest go first): what the dashboard,
     # get_task_stream and performance_report can show
     "dashboard-task-stream-size": 100_000,

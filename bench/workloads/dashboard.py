@@ -73,7 +73,9 @@ def _dashboard(n: int, latency_n: int, rounds: int) -> dict[str, Any]:
                     page = browser.new_page()
                     try:
                         page.goto(link)
-                        page.wait_for_load_state("load")
+                        # open and settled: its charts made and its first updates drawn
+                        page.wait_for_function("() => window.shoalDashboard && window.shoalDashboard.updates() >= 2",
+                                               timeout=60_000)
                         on.append(_measure(s, n, latency_n))
                     finally:
                         page.close()

@@ -537,12 +537,11 @@ def test_a_page_that_reconnects_goes_on_from_its_last_event_id(cluster, client):
 def test_updates_come_every_interval(cluster):
     events = Events(base_of(cluster.dashboard_link) + "/api/v1/events")
     try:
-        events.next_update()
-        t0 = time.monotonic()
-        for _ in range(5):
-            events.next_update()
-        elapsed = time.monotonic() - t0
-        assert 4 * 0.05 <= elapsed < 5.0, elapsed  # dashboard-interval is 0.05 s here
+        # the scheduler's clock in each update: about an interval (0.05 s here) apart,
+        # however fast or slow this reader is (the loop's timers may fire a little early)
+        times = [events.next_update()[1]["summary"]["time"] for _ in range(6)]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert min(gaps) >= 0.05 / 2, gaps
     finally:
         events.close()
 
@@ -556,15 +555,12 @@ def test_closing_the_cluster_ends_an_open_event_stream(fast_updates):
         raise
     try:
         events.next_update()
-        t0 = time.monotonic()
         closer = threading.Thread(target=cluster.close)
         closer.start()
         while events.next_event() is not None:
-            pass  # updates sent before the close
-        ended = time.monotonic() - t0
+            pass  # updates sent before the close; then the stream ends (a hang: the read times out)
         closer.join(DEADLINE)
         assert not closer.is_alive()
-        assert ended < 2.0, ended
     finally:
         events.close()
         cluster.close()
