@@ -31,13 +31,14 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
 from .. import config
 from ..comm.core import parse_address
+from ..scheduler.diagnostics import Steps
 from . import parse_dashboard_address
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ MAX_TEXT = 1000
 SHUTDOWN_TIMEOUT = 1.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 class BadRequest(ValueError):
@@ -75,6 +77,17 @@ class BadRequest(ValueError):
 _encode = msgspec.json.Encoder().encode
 
 _JSON_HEADERS = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+
+
+async def _paced(steps: Steps[T]) -> T:
+    """The answer of a look through many keys (``Diagnostics.search_steps``, ...),
+    letting the loop run the scheduler between its slices."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
 
 
 def _json(value: Any, status: int = 200) -> web.Response:
@@ -371,7 +384,7 @@ class Dashboard:
 
     async def _task(self, request: web.Request) -> web.StreamResponse:
         key = _text(request, "key")
-        found = self.scheduler.diagnostics.task(key)
+        found = await _paced(self.scheduler.diagnostics.task_steps(key))
         if found is None:
             return _error(404, f"no task with key {key[:200]!r}")
         return _json(found)
@@ -379,7 +392,7 @@ class Dashboard:
     async def _search(self, request: web.Request) -> web.StreamResponse:
         text = _text(request, "q")
         limit = _count(request, "limit", 20, 1000)
-        return _json(self.scheduler.diagnostics.search(text, limit))
+        return _json(await _paced(self.scheduler.diagnostics.search_steps(text, limit)))
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         d = self.scheduler.diagnostics

@@ -27,8 +27,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .progress import key_prefix
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .model import PrefixGroup, TaskState
     from .state import SchedulerState
 
-__all__ = ["Diagnostics", "PATHS", "TASK_STREAM_SIZE", "key_text"]
+__all__ = ["Diagnostics", "PATHS", "TASK_STREAM_SIZE", "key_text", "run_steps"]
 
 #: how a value moved: by reference in one process, mapped from shared memory, over tcp
 PATHS = ("inproc", "shm", "tcp")
@@ -46,6 +46,21 @@ TASK_STREAM_SIZE = 100_000
 KEY_TEXT = 200
 #: transfers of one task kept in its record, at most (a task with more inputs)
 MAX_TRANSFERS = 64
+#: keys a search looks at between two pauses (see :func:`run_steps`)
+SCAN_SLICE = 20_000
+
+T = TypeVar("T")
+#: a look through many keys, in slices: it yields None between two, and returns its answer
+Steps = Generator[None, None, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """The answer of ``steps``, with no pause (the server pauses between slices)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def key_text(key: Any) -> str:
@@ -224,20 +239,27 @@ class Diagnostics:
                 totals[p] += figures["in"][p]
         return {**totals, "time": self.clock()}
 
-    def _find(self, key_text_: str) -> TaskState | None:
+    def _find(self, key_text_: str) -> Steps[TaskState | None]:
         tasks = self.state.tasks
         ts = tasks.get(key_text_)
         if ts is not None:
             return ts
-        for key, ts in list(tasks.items()):  # a key that is not a str: by its text (a click, not a loop)
-            if type(key) is not str and key_text(key) == key_text_:
+        # a key that is not a str: by its text (a look through every key, in slices)
+        for i, (key, ts) in enumerate(list(tasks.items())):
+            if i % SCAN_SLICE == SCAN_SLICE - 1:
+                yield None
+            if type(key) is not str and key_text(key) == key_text_ and tasks.get(key) is ts:
                 return ts
         return None
 
     def task(self, key: str) -> dict[str, Any] | None:
         """Everything known of the task whose key reads ``key``; ``None`` if none."""
-        ts = self._find(key)
-        if ts is None:
+        return run_steps(self.task_steps(key))
+
+    def task_steps(self, key: str) -> Steps[dict[str, Any] | None]:
+        """:meth:`task` in steps (see :func:`run_steps`)."""
+        ts = yield from self._find(key)
+        if ts is None or self.state.tasks.get(ts.key) is not ts:
             return None
         text = key_text(ts.key)
         last = next((r for r in reversed(self.stream) if r[1] == ts.key), None)  # a click: one look
@@ -265,18 +287,28 @@ class Diagnostics:
 
     def search(self, text: str, limit: int = 20) -> list[str]:
         """Keys whose text holds ``text``, at most ``limit`` (tasks that ran lately first)."""
+        return run_steps(self.search_steps(text, limit))
+
+    def search_steps(self, text: str, limit: int = 20) -> Steps[list[str]]:
+        """:meth:`search` in steps (see :func:`run_steps`): a million keys are looked
+        through in slices of SCAN_SLICE, so that a server can let others run between."""
         found: list[str] = []
         seen: set[str] = set()
-        for record in reversed(self.stream):
+        tasks = self.state.tasks
+        for i, record in enumerate(list(reversed(self.stream))):
+            if i % SCAN_SLICE == SCAN_SLICE - 1:
+                yield None
             k = key_text(record[1])
-            if text in k and k not in seen and self._find(k) is not None:
+            if text in k and k not in seen and record[1] in tasks:
                 seen.add(k)
                 found.append(k)
                 if len(found) >= limit:
                     return found
-        for key in list(self.state.tasks):
+        for i, key in enumerate(list(tasks)):
+            if i % SCAN_SLICE == SCAN_SLICE - 1:
+                yield None
             k = key_text(key)
-            if text in k and k not in seen:
+            if text in k and k not in seen and key in tasks:
                 found.append(k)
                 seen.add(k)
                 if len(found) >= limit:

@@ -93,6 +93,27 @@ def test_tuple_keys_are_found_by_their_text(s: Sched) -> None:
     assert d.search("1a2b") == ["('x-1a2b', 3)"]
 
 
+def test_long_searches_pause_between_slices_and_see_what_changed(s: Sched, monkeypatch: Any) -> None:
+    import shoal.scheduler.diagnostics as diagnostics
+
+    monkeypatch.setattr(diagnostics, "SCAN_SLICE", 10)
+    d = _diag(s)
+    s.add_worker("w1")
+    s.submit(*[task(("y", i)) for i in range(45)], task("y-last"))
+    steps = d.search_steps("y", limit=100)
+    next(steps)  # a pause: the scheduler runs, and forgets one key
+    s.release(("y", 44))
+    pauses = 1 + sum(1 for _ in iter(lambda: next(steps, "end"), "end"))
+    assert pauses == 4  # 46 keys, a pause after every 10
+    assert d.search("y", limit=100) == [str(("y", i)) for i in range(44)] + ["y-last"]
+    # a page for a key that is not a str: found by its text in slices too, and not once forgotten
+    steps = d.task_steps(str(("y", 30)))
+    assert next(steps) is None
+    s.release(("y", 30))
+    assert diagnostics.run_steps(steps) is None
+    assert d.task(str(("y", 31)))["key"] == str(("y", 31))
+
+
 def test_the_task_stream_is_a_bounded_ring_read_by_index(s: Sched) -> None:
     d = _diag(s, size=5)
     for i in range(8):
