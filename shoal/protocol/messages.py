@@ -25,7 +25,7 @@ import msgspec
 from ..errors import ProtocolError
 from .coordination_msgs import COORDINATION_REQUESTS, COORDINATION_STREAM
 from .msgbase import MAX_KEY_DEPTH, Key, Msg, SegmentInfo, SegmentRef, key_problem, segment_info
-from .resources import resources_problem
+from .resources import language_problem, resources_problem
 
 __all__ = [
     "Msg",
@@ -93,6 +93,8 @@ class RegisterWorkerMsg(Msg, tag="register-worker"):
     resources: dict[str, float] = {}
     #: the address of the nanny that runs its process ("": none), for ``restart-workers``
     nanny: str = ""
+    #: the payload languages it runs (§4.6): tasks of other languages never go there
+    languages: list[str] = msgspec.field(default_factory=lambda: ["python"])
     optional: ClassVar[tuple[str, ...]] = ("resources", "nanny")
 
 
@@ -269,6 +271,8 @@ class TaskDef(msgspec.Struct, forbid_unknown_fields=False):
     resources: dict[str, float] | None = None
     #: ``workers`` is a preference, not a restriction
     allow_other_workers: bool = False
+    #: the language of its payload (§4.6): it runs only on workers that run that language
+    language: str = "python"
 
 
 class UpdateGraphMsg(Msg, tag="update-graph"):
@@ -614,6 +618,14 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
         problem = resources_problem(out.resources)  # type: ignore[attr-defined]
         if problem is not None:
             raise ProtocolError(f"{where}malformed {op!r}: field 'resources': {problem}")
+        if typ is RegisterWorkerMsg:
+            languages = out.languages  # type: ignore[attr-defined]
+            if not 1 <= len(languages) <= 16:
+                raise ProtocolError(f"{where}malformed {op!r}: field 'languages': 1 to 16 of them, got {len(languages)}")
+            for language in languages:
+                problem = language_problem(language)
+                if problem is not None:
+                    raise ProtocolError(f"{where}malformed {op!r}: field 'languages': {problem}")
     if typ.segment_fields:
         _check_segments(out, where, str(op))
     return out
@@ -643,6 +655,9 @@ def _check_tasks(msg: UpdateGraphMsg) -> None:
         problem = resources_problem(task.resources)
         if problem is not None:
             raise ProtocolError(f"malformed 'update-graph': task {i}: resources: {problem}")
+        problem = language_problem(task.language)
+        if problem is not None:
+            raise ProtocolError(f"malformed 'update-graph': task {i}: language: {problem}")
 
 
 def to_wire(msg: Msg) -> dict[str, Any]:

@@ -7,7 +7,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["resources_problem", "check_resources"]
+__all__ = ["resources_problem", "check_resources", "language_problem", "LANGUAGE_CHARS"]
+
+#: the characters of a payload language's name ("python", "js", "c++", "r")
+LANGUAGE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_+-.")
+
+
+def language_problem(language: Any) -> str | None:
+    """Why ``language`` is not the name of a payload language, or ``None``: 1 to 32
+    characters of lower-case letters, digits and ``_+-.``."""
+    if type(language) is not str or not 1 <= len(language) <= 32 or not set(language) <= LANGUAGE_CHARS:
+        return f"a language is 1 to 32 characters of a-z, 0-9 and _+-., got {language!r:.60}"
+    return None
 
 
 def resources_problem(resources: dict[str, float] | None) -> str | None:

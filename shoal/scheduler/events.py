@@ -25,6 +25,8 @@ class AddWorkerEvent(Event):
     pid: int = 0
     name: str = ""
     resources: dict[str, float] = field(default_factory=dict)
+    #: the payload languages it runs
+    languages: tuple[str, ...] = ("python",)
     #: when it registered, on the clock of :class:`CheckLivenessEvent` (None: its
     #: silence is counted from the next check)
     now: float | None = None
@@ -76,6 +78,8 @@ class NewTask:
     priority: int = 0
     resources: dict[str, float] | None = None
     loose_restrictions: bool = False
+    #: the language of its payload: it runs only on workers that run that language
+    language: str = "python"
 
 
 @dataclass
@@ -88,7 +92,7 @@ class UpdateGraphEvent(Event):
     def logged(self) -> UpdateGraphEvent:
         """This event for the log: the tasks without their payloads."""
         tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries, t.priority, t.resources,
-                         t.loose_restrictions) for t in self.tasks]
+                         t.loose_restrictions, t.language) for t in self.tasks]
         return UpdateGraphEvent(self.stimulus_id, self.client, tasks, self.wanted)
 
 

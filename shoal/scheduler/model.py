@@ -68,6 +68,8 @@ class WorkerState:
     ip: str = ""
     #: the address of the nanny that runs its process ("": none; see ``restart-workers``)
     nanny: str = ""
+    #: the payload languages it runs
+    languages: frozenset[str] = frozenset({"python"})
     #: its memory passed its pause threshold: no task is placed there until it goes on
     paused: bool = False
     #: what it said of its memory last (``worker-memory``: limit, managed, shm, ...)
@@ -99,6 +101,8 @@ class TaskState:
     loose_restrictions: bool = False
     #: abstract resources it holds while it runs (None: none)
     resources: dict[str, float] | None = None
+    #: the language of its payload: it runs only on workers that run it
+    language: str = "python"
     nbytes: int = -1
     retries: int = 0
     suspicious: int = 0

@@ -245,6 +245,7 @@ class Scheduler:
             "workers": {
                 ws.address: {"type": "Worker", "id": ws.name, "nthreads": ws.nthreads, "host": ws.host,
                              "pid": ws.pid, "name": ws.name, "resources": dict(ws.resources),
+                             "languages": sorted(ws.languages),
                              "status": "paused" if ws.paused else "running",
                              "memory": _memory_figures(ws.memory), "memory_limit": ws.memory.get("limit", 0),
                              "nanny": ws.nanny}
@@ -300,7 +301,7 @@ class Scheduler:
 
     async def add_worker(self, comm: Comm, address: str, nthreads: int, host: str = "",
                          pid: int = 0, name: str = "", resources: dict[str, float] | None = None,
-                         nanny: str = "", **_: Any) -> None:
+                         nanny: str = "", languages: list[str] | None = None, **_: Any) -> None:
         if address in self.worker_streams:
             await _reply_error(comm, f"a worker at {address} is already registered")
             return
@@ -316,7 +317,8 @@ class Scheduler:
         if self.ops.uploads:
             await self.ops.worker_joins(address)  # files its tasks may import, before any task
         self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name,
-                                   resources=dict(resources or {}), now=time.monotonic()))
+                                   resources=dict(resources or {}), languages=tuple(languages or ("python",)),
+                                   now=time.monotonic()))
         if address in self.state.workers:
             self.state.workers[address].nanny = nanny  # (restart-workers asks it)
         logger.info("worker %s joined (%d threads)", address, nthreads)
@@ -470,7 +472,7 @@ class Scheduler:
         match msg:
             case UpdateGraphMsg():
                 tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries, t.priority, t.resources or None,
-                                 t.allow_other_workers) for t in msg.tasks]
+                                 t.allow_other_workers, t.language) for t in msg.tasks]
                 self._apply(UpdateGraphEvent(sid, client, tasks, msg.wanted))
             case ReleaseKeysMsg():
                 self._apply(ReleaseKeysEvent(sid, client, msg.keys))

@@ -170,6 +170,9 @@ class SchedulerState(TaskTransitions):
         self.queued: list[TaskState] = []  # heap by priority
         #: the known tasks counted by key prefix and state (the dashboard's progress)
         self.groups: dict[str, PrefixGroup] = {}
+        #: workers that do not run Python payloads (while there are none, a task's
+        #: language need not be looked at when it is placed)
+        self.non_python_workers = 0
         #: tasks that reached memory since the scheduler started, each counted once
         #: (a counter: it never goes down, whatever is forgotten)
         self.done_total = 0
@@ -240,8 +243,12 @@ class SchedulerState(TaskTransitions):
             return
         if ev.nthreads < 1:
             raise ValueError(f"worker {ev.address} has {ev.nthreads} threads")
-        self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name, last_seen=ev.now,
-                                               resources=dict(ev.resources), ip=_address_host(ev.address))
+        ws = self.workers[ev.address] = WorkerState(ev.address, ev.nthreads, ev.host, ev.pid, ev.name,
+                                                    last_seen=ev.now, resources=dict(ev.resources),
+                                                    ip=_address_host(ev.address),
+                                                    languages=frozenset(ev.languages or ("python",)))
+        if "python" not in ws.languages:
+            self.non_python_workers += 1
         # tasks that failed for want of this worker, or were waiting for any worker
         self._fill(self.workers[ev.address])
 
@@ -252,6 +259,8 @@ class SchedulerState(TaskTransitions):
 
     def _drop_worker(self, ws: WorkerState, crashed: bool) -> None:
         """Reschedule the tasks of ``ws``, no longer in ``self.workers``, and forget its values."""
+        if "python" not in ws.languages:
+            self.non_python_workers -= 1
         recs: dict[TaskState, str] = {}
         ws.long_running.clear()
         for ts in sorted(ws.processing):
@@ -342,6 +351,8 @@ class SchedulerState(TaskTransitions):
                 ts.loose_restrictions = t.loose_restrictions
             if t.resources:
                 ts.resources = dict(t.resources)
+            if t.language != "python":
+                ts.language = t.language
             self.tasks[key] = ts
             created.append(ts)
         for ts in created:
@@ -564,17 +575,28 @@ class SchedulerState(TaskTransitions):
         """The worker with room that holds the most input bytes; then the least busy.
         Only workers that ``ts`` may run on count (``workers=``, resources free); with
         loose restrictions, any worker when none of those has room."""
-        if ts.restrictions is not None or ts.resources:
+        if self._constrained(ts):
             best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run(ts, ws)])
             if best is None and ts.loose_restrictions:
-                best = self._best_worker(ts, [ws for ws in self.workers.values() if _has_resources(ts, ws)])
+                best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run_loosely(ts, ws)])
             return best
         return self._best_worker(ts, self.workers.values())
 
+    def _constrained(self, ts: TaskState) -> bool:
+        """Whether some worker may not run ``ts``: it names workers or asks for
+        resources, or its language is not one every worker runs."""
+        return ts.restrictions is not None or bool(ts.resources) or ts.language != "python" or self.non_python_workers > 0
+
     def _may_run(self, ts: TaskState, ws: WorkerState) -> bool:
-        """Whether ``ws`` is one of the workers ``ts`` is restricted to and has the
-        resources it asks for free."""
-        return self._allowed(ts, ws) and _has_resources(ts, ws)
+        """Whether ``ws`` runs the language of ``ts``, is one of the workers ``ts`` is
+        restricted to, and has the resources it asks for free."""
+        return ts.language in ws.languages and self._allowed(ts, ws) and _has_resources(ts, ws)
+
+    @staticmethod
+    def _may_run_loosely(ts: TaskState, ws: WorkerState) -> bool:
+        """:meth:`_may_run` with ``workers=`` a preference only (the language and the
+        resources still hold)."""
+        return ts.language in ws.languages and _has_resources(ts, ws)
 
     @staticmethod
     def _allowed(ts: TaskState, ws: WorkerState) -> bool:
@@ -601,8 +623,8 @@ class SchedulerState(TaskTransitions):
         skipped: list[TaskState] = []
         while self.queued and self._capacity(ws) > 0:
             ts = heapq.heappop(self.queued)
-            if (ts.restrictions is not None or ts.resources) and not self._may_run(ts, ws) and not (
-                    ts.loose_restrictions and _has_resources(ts, ws)):
+            if self._constrained(ts) and not self._may_run(ts, ws) and not (
+                    ts.loose_restrictions and self._may_run_loosely(ts, ws)):
                 skipped.append(ts)
                 continue
             self._recommend(self._transition(ts, "processing", ws))

@@ -15,6 +15,7 @@ STATES = {"released", "waiting", "queued", "processing", "memory", "erred"}
 def validate_state(state: SchedulerState) -> None:
     """Check every invariant; raise ``AssertionError`` on the first broken one."""
     _validate_groups(state)
+    assert state.non_python_workers == sum("python" not in ws.languages for ws in state.workers.values())
     for key, ts in state.tasks.items():
         assert ts.key == key
         assert ts.state in STATES, ts
@@ -28,6 +29,7 @@ def validate_state(state: SchedulerState) -> None:
             assert ws is not None and ts in ws.processing, ts
             assert state.workers.get(ws.address) is ws, ts
             assert ts.loose_restrictions or state._allowed(ts, ws), ts
+            assert ts.language in ws.languages, f"{ts} ({ts.language}) on {ws.address}, which runs {sorted(ws.languages)}"
         else:
             assert ts.processing_on is None, ts
         if ts.state == "queued":

@@ -207,6 +207,7 @@ class Worker:
         register: dict[str, Any] = {
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
             "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
+            "languages": ["python"],
         }
         if self.resources:
             register["resources"] = self.resources

@@ -64,8 +64,8 @@ class Sched:
         assert ws is not None, f"{key!r} is not processing"
         return ws.address
 
-    def add_worker(self, address: str, nthreads: int = 1) -> list[Any]:
-        return self(AddWorkerEvent(self.sid(), address, nthreads))
+    def add_worker(self, address: str, nthreads: int = 1, languages: tuple[str, ...] = ("python",)) -> list[Any]:
+        return self(AddWorkerEvent(self.sid(), address, nthreads, languages=languages))
 
     def remove_worker(self, address: str, crashed: bool = True) -> list[Any]:
         return self(RemoveWorkerEvent(self.sid(), address, crashed))
@@ -100,8 +100,10 @@ class Sched:
         return {k: ts.state for k, ts in self.state.tasks.items()}
 
 
-def task(key: Any, *deps: Any, workers: list[str] | None = None, retries: int = 0, payload: Any = None) -> NewTask:
-    return NewTask(key, f"payload-{key}" if payload is None else payload, list(deps), workers, retries)
+def task(key: Any, *deps: Any, workers: list[str] | None = None, retries: int = 0, payload: Any = None,
+         language: str = "python") -> NewTask:
+    return NewTask(key, f"payload-{key}" if payload is None else payload, list(deps), workers, retries,
+                   language=language)
 
 
 def computes(out: list[Any]) -> list[tuple[str, Any]]:

@@ -1,0 +1,70 @@
+"""Payload languages (protocol §4.6, §7.1): a task runs only on a worker that declared
+its language; one that no worker can run waits, queued, until such a worker joins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from scheduler_harness import Sched, computes, task
+
+
+@pytest.fixture
+def s() -> Any:
+    h = Sched()
+    yield h
+    h.state.validate()
+
+
+def test_tasks_go_only_to_workers_of_their_language(s: Sched) -> None:
+    s.add_worker("py", nthreads=4)
+    s.add_worker("js", nthreads=4, languages=("js",))
+    out = s.submit(task("make"), task("scale", "make", language="js"), task("more"), wanted=["scale", "more"])
+    assert sorted(computes(out)) == [("py", "make"), ("py", "more")]
+    out = s.finish("py", "make")
+    assert computes(out) == [("js", "scale")]
+    s.finish("js", "scale")
+    # and back: a Python task on the JS task's result runs on the Python worker
+    out = s.submit(task("check", "scale"))
+    assert computes(out) == [("py", "check")]
+
+
+def test_a_task_no_worker_can_run_waits_until_one_joins(s: Sched) -> None:
+    s.add_worker("py")
+    out = s.submit(task("scale", language="js"))
+    assert computes(out) == [] and s.ts("scale").state == "queued"
+    out = s.add_worker("js", languages=("js",))
+    assert computes(out) == [("js", "scale")]
+
+
+def test_a_worker_of_many_languages_runs_each(s: Sched) -> None:
+    s.add_worker("both", nthreads=2, languages=("js", "python"))
+    out = s.submit(task("a"), task("b", language="js"))
+    assert sorted(computes(out)) == [("both", "a"), ("both", "b")]
+
+
+def test_python_tasks_wait_when_only_foreign_workers_remain(s: Sched) -> None:
+    s.add_worker("js", nthreads=2, languages=("js",))
+    out = s.submit(task("a"))
+    assert computes(out) == [] and s.ts("a").state == "queued"
+    out = s.add_worker("py")
+    assert computes(out) == [("py", "a")]
+
+
+def test_losing_the_only_worker_of_a_language_requeues_its_tasks(s: Sched) -> None:
+    s.add_worker("py")
+    s.add_worker("js1", languages=("js",))
+    s.submit(task("x", language="js"))
+    assert s.ts("x").processing_on.address == "js1"
+    out = s.remove_worker("js1")
+    assert computes(out) == [] and s.ts("x").state == "queued"  # never on the Python worker
+    assert s.state.non_python_workers == 0
+    out = s.add_worker("js2", languages=("js",))
+    assert computes(out) == [("js2", "x")]
+
+
+def test_workers_named_by_a_task_must_still_run_its_language(s: Sched) -> None:
+    s.add_worker("py")
+    s.add_worker("js", languages=("js",))
+    out = s.submit(task("x", workers=["py"], language="js"))
+    assert computes(out) == [] and s.ts("x").state == "queued"
