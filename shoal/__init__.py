@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
     from .client.progress import progress
     from .client.diagnostics import get_task_stream, performance_report
+    from .foreign_tasks import foreign
     from .client.coordination import Event, Lock, Pub, Queue, Semaphore, Sub, Variable
     from .client.default import default_client, get_client
     from .client.future import fire_and_forget
@@ -56,6 +57,7 @@ _LAZY = {
     "progress": "shoal.client.progress",
     "get_task_stream": "shoal.client.diagnostics",
     "performance_report": "shoal.client.diagnostics",
+    "foreign": "shoal.foreign_tasks",
     "Variable": "shoal.client.coordination",
     "Queue": "shoal.client.coordination",
     "Lock": "shoal.client.coordination",
@@ -103,6 +105,7 @@ __all__ = [
     "progress",
     "get_task_stream",
     "performance_report",
+    "foreign",
     "Variable",
     "Queue",
     "Lock",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .. import config
 from ..protocol import sizeof, to_serialize
+from ..foreign_tasks import ForeignCall, ForeignFunction
 from ..taskspec import RunSpec, check_serializable, key_name, tokenize, unique_token, validate_key
 from .future import Future
 from .options import TaskOptions, call_options, context_annotations
@@ -121,6 +122,14 @@ class Submitting:
         args2 = replace_futures(args, deps, self)
         kwargs2 = replace_futures(kwargs, deps, self)
         self._check_payload_size(fn, args, kwargs)
+        if isinstance(fn, ForeignFunction):
+            # for a worker of another language: its arguments checked now (what has no
+            # meaning there raises SerializationError here, before anything is sent)
+            call = ForeignCall(fn, args2, kwargs2)
+            call.frames()
+            task = {"key": key, "payload": to_serialize(call), "deps": list(deps), "language": fn.language}
+            task.update(options.fields)
+            return task
         spec = RunSpec(fn, args2, kwargs2)
         if self._self._pickles_tasks:
             check_serializable(spec)

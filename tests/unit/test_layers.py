@@ -16,10 +16,13 @@ LAYERS = {
     "shoal.comm": {"shoal.protocol"},
     "shoal.rpc": {"shoal.protocol", "shoal.comm"},
     "shoal.taskspec": {"shoal.protocol"},
+    # payloads for workers of other languages, beside the Python ones
+    "shoal.foreign_tasks": {"shoal.protocol", "shoal.taskspec"},
     "shoal.scheduler.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.scheduler"},
     "shoal.worker.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.worker"},
     # the client stands on the servers: actor refs and task context (worker), plugins (scheduler)
-    "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.scheduler", "shoal.worker"},
+    "shoal.client": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.taskspec", "shoal.foreign_tasks",
+                     "shoal.scheduler", "shoal.worker"},
     # served by the scheduler (which imports it only when it starts one); .server: the
     # package itself imports nothing
     "shoal.dashboard.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.scheduler"},
@@ -65,7 +68,7 @@ def test_public_api_is_pinned():
         "Variable", "Queue", "Lock", "Event", "Semaphore", "Pub", "Sub",
         "WorkerPlugin", "SchedulerPlugin", "Actor", "ActorFuture", "BaseActorFuture",
         # diagnostics (issue 14)
-        "get_task_stream", "performance_report",
+        "get_task_stream", "performance_report", "foreign",
     ])
     for name in shoal.__all__:
         assert getattr(shoal, name) is not None
