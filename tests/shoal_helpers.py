@@ -8,6 +8,8 @@
 - raw wire helpers speaking shoal's tcp framing over a blocking socket.
 - ``shoal`` command-line processes: :func:`start_shoal`, :func:`start_scheduler`,
   :func:`start_worker`, :func:`stop_processes`.
+- task functions the task-stream and dashboard tests submit: :func:`inc`, :func:`add`,
+  :func:`total`, :func:`boom`, :func:`make`, :func:`array_sum`.
 """
 
 from __future__ import annotations
@@ -358,3 +360,34 @@ def small_tmpfs(size: str = "1m") -> Iterator[str]:
             subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
     finally:
         os.rmdir(path)
+
+
+# -- task functions of the task-stream and dashboard tests: a key's prefix is its
+# function's name, which those tests look for. Defined here, not in a test module, so
+# that worker processes (of LocalCluster(processes=True), whose path is this process's)
+# import them by reference.
+
+
+def inc(x: int) -> int:
+    return x + 1
+
+
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+def total(*xs: int) -> int:
+    return sum(xs)
+
+
+def boom(x: Any) -> Any:
+    raise ValueError(f"boom {x}: no such luck")
+
+
+def make(n_bytes: int) -> Any:
+    """An array of ``n_bytes`` (of ones)."""
+    return np.ones(n_bytes // 8)
+
+
+def array_sum(a: Any) -> float:
+    return float(a.sum())

@@ -2,10 +2,11 @@
 server (``shoal.performance_report``).
 
 The report is the status page's charts drawn once from data embedded in the file:
-the chart library, the dashboard's script and its style sheet are inlined, and the
-data sits in a ``<script type="application/json">`` element that the script reads
-when the page says it is a report (``<body data-page="report">``). So the charts of
-the report and of the live page are the same code.
+its body is the status page's own part (``static/status.html``), the chart library,
+the dashboard's scripts (one after the other, as one) and its style sheet are inlined,
+and the data sits in a ``<script type="application/json">`` element that the scripts
+read when the page says it is a report (``<body data-page="report">``). So the charts
+of the report and of the live page are the same markup and the same code.
 
 This module imports no aiohttp: writing a report needs only the files of the
 package.
@@ -18,12 +19,11 @@ import json
 import math
 import re
 from functools import cache
-from pathlib import Path
 from typing import Any
 
-__all__ = ["render_report"]
+from .pages import CHART_LIBRARY, SCRIPTS, STATIC
 
-STATIC = Path(__file__).with_name("static")
+__all__ = ["render_report"]
 
 #: what may end a script element early: its end tag, or "<!--", after which a "<script"
 #: would make the parser miss the end tag
@@ -88,29 +88,7 @@ style-src 'unsafe-inline'; img-src data:">
 <p class="muted">{subtitle}</p>
 </header>
 <main>
-<section class="summary" id="summary"></section>
-<section class="panel">
-  <h2>Task stream <span class="count" id="task-count">0 tasks</span></h2>
-  <div class="chart tall" id="task-stream"></div>
-</section>
-<div class="grid">
-  <section class="panel">
-    <h2>Progress by prefix <span class="count" id="progress-count"></span></h2>
-    <div class="chart" id="progress"></div>
-  </section>
-  <section class="panel">
-    <h2>Bytes moved per second, by path <span class="count" id="moved"></span></h2>
-    <div class="chart" id="transfer-rate"></div>
-  </section>
-  <section class="panel">
-    <h2>Memory per worker (at the end)</h2>
-    <div class="chart" id="memory"></div>
-  </section>
-  <section class="panel">
-    <h2>CPU per worker (at the end)</h2>
-    <div class="chart" id="cpu"></div>
-  </section>
-</div>
+{main}
 </main>
 <script type="application/json" id="shoal-data">{data}</script>
 <script>
@@ -143,6 +121,7 @@ def render_report(data: dict[str, Any], title: str = "shoal performance report")
         subtitle=html.escape(subtitle),
         style=_inline_style(_asset("style.css")),
         data=_json_for_script(data),
-        echarts=_inline_script(_asset("vendor/echarts.min.js")),
-        dashboard=_inline_script(_asset("dashboard.js")),
+        main=_asset("status.html").rstrip("\n"),
+        echarts=_inline_script(_asset(CHART_LIBRARY)),
+        dashboard=_inline_script("\n".join(_asset(name) for name in SCRIPTS)),
     )

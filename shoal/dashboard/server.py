@@ -30,7 +30,6 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -40,6 +39,7 @@ from .. import config
 from ..comm.core import parse_address
 from ..scheduler.diagnostics import Steps
 from . import parse_dashboard_address
+from .pages import PAGES, STATIC, render_page
 
 if TYPE_CHECKING:
     from ..scheduler.server import Scheduler
@@ -48,9 +48,6 @@ __all__ = ["Dashboard", "start_dashboard"]
 
 logger = logging.getLogger("shoal.dashboard")
 
-#: where the pages and their scripts are
-STATIC = Path(__file__).with_name("static")
-PAGES = ("status", "workers", "task", "graph")
 #: records of the task stream one request or one update carries at most
 MAX_RECORDS = 100_000
 #: records the first update of an event stream carries (the newest)
@@ -300,10 +297,11 @@ class Dashboard:
         raise web.HTTPFound("/status")
 
     async def _page(self, request: web.Request) -> web.StreamResponse:
-        path = STATIC / f"{request.path.strip('/')}.html"
-        if not path.is_file():
+        try:
+            text = render_page(request.path.strip("/"), STATIC)
+        except FileNotFoundError:
             return web.Response(status=404, text=f"{request.path}: the page is not installed")
-        return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
+        return web.Response(text=text, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def _static(self, request: web.Request) -> web.StreamResponse:
         root = STATIC.resolve()

@@ -11,20 +11,9 @@ import urllib.parse
 import pytest
 
 import shoal
+from shoal_helpers import boom, inc, total
 
 N_INC = 30
-
-
-def inc(x):
-    return x + 1
-
-
-def total(*xs):
-    return sum(xs)
-
-
-def boom(x):
-    raise ValueError(f"boom {x}: no such luck")
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +105,16 @@ def test_workers_page_lists_every_worker(tab, ran):
     t.done()
 
 
-def test_task_page_of_an_erred_task_shows_its_story_and_exception(tab, ran):
-    bad = ran["bad"]
+def open_task_page(tab, ran, key: str):
+    """A tab showing task ``key``'s page, once its story is drawn."""
     t = tab()
-    t.page.goto(ran["base"] + "/task?key=" + urllib.parse.quote(bad.key))
+    t.page.goto(ran["base"] + "/task?key=" + urllib.parse.quote(key))
     t.page.wait_for_selector("#task-story")
+    return t
+
+
+def test_task_page_of_an_erred_task_shows_its_story_and_exception(tab, ran):
+    t = open_task_page(tab, ran, ran["bad"].key)
     assert t.page.inner_text("#task-state") == "erred"
     assert "ValueError" in t.page.inner_text("#task-error") and "no such luck" in t.page.inner_text("#task-error")
     traceback = t.page.inner_text("#task-traceback")
@@ -132,10 +126,7 @@ def test_task_page_of_an_erred_task_shows_its_story_and_exception(tab, ran):
 
 
 def test_task_page_shows_inputs_and_how_they_came(tab, ran):
-    whole = ran["whole"]
-    t = tab()
-    t.page.goto(ran["base"] + "/task?key=" + urllib.parse.quote(whole.key))
-    t.page.wait_for_selector("#task-story")
+    t = open_task_page(tab, ran, ran["whole"].key)
     assert t.page.inner_text("#task-state") == "memory"
     text = t.page.inner_text("#task")
     assert f"Dependencies ({N_INC})" in text and "by reference" in text

@@ -5,28 +5,12 @@ the shared-memory bytes (from the workers' totals, differenced between updates).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import shoal
+from shoal_helpers import add, array_sum, inc, make
 
 MB = 1 << 20
-
-
-def inc(x):
-    return x + 1
-
-
-def add(x, y):
-    return x + y
-
-
-def make(n_bytes):
-    return np.ones(n_bytes // 8)
-
-
-def total(a):
-    return float(a.sum())
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +29,7 @@ def test_the_status_page_draws_each_path(tab, procs):
     small = client.submit(inc, 1, workers=[a], pure=False)
     large = client.submit(make, 8 * MB, workers=[a], pure=False)
     s = client.submit(add, small, 1, workers=[b])
-    big = client.submit(total, large, workers=[b])
+    big = client.submit(array_sum, large, workers=[b])
     assert s.result() == 3 and big.result() == MB
     moved = t.wait("() => { const m = window.shoalDashboard.transferCounts(); return m.tcp >= 1 && m.shm >= 1 && m; }")
     assert moved["inproc"] == 0

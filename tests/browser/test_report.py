@@ -11,20 +11,9 @@ import time
 import pytest
 
 import shoal
+from shoal.dashboard.pages import SCRIPTS, STATIC, render_page
 from shoal.dashboard.report import render_report
-
-
-def inc(x):
-    return x + 1
-
-
-def total(*xs):
-    return sum(xs)
-
-
-def boom(x):
-    raise ValueError(f"boom {x}")
-
+from shoal_helpers import boom, inc, total
 
 CHARTS = ("task-stream", "progress", "memory", "cpu", "transfer-rate")
 
@@ -86,11 +75,24 @@ def hostile_data() -> dict:
             "duration": float("nan")}
 
 
-def test_keys_cannot_break_out_of_the_report(tab, tmp_path):
-    path = tmp_path / "hostile.html"
-    path.write_text(render_report(hostile_data(), title=HOSTILE), encoding="utf-8")
+def open_report(tab, path, data: dict, **options):
+    """An offline tab showing ``render_report(data, **options)``, written to ``path``."""
+    path.write_text(render_report(data, **options), encoding="utf-8")
     t = tab(offline=True)
     t.page.goto(path.as_uri())
+    return t
+
+
+def narrow_tasks(n: int, rows: int) -> list[dict]:
+    """Records of ``n`` tasks of 50 us, one every 100 us from now, on ``rows`` rows in turn."""
+    now = time.time()
+    return [{"index": i, "key": f"t-{i}", "prefix": "t", "worker": f"inproc://1/{i % rows}", "thread": 1,
+             "start": now + i * 1e-4, "stop": now + i * 1e-4 + 5e-5, "status": "OK", "transfers": []}
+            for i in range(n)]
+
+
+def test_keys_cannot_break_out_of_the_report(tab, tmp_path):
+    t = open_report(tab, tmp_path / "hostile.html", hostile_data(), title=HOSTILE)
     t.wait("() => window.shoalDashboard && window.shoalDashboard.taskCount() === 1")
     assert t.js("window.pwned") is None
     assert t.js("JSON.parse(document.getElementById('shoal-data').textContent).task_stream[0].key") == HOSTILE
@@ -110,16 +112,21 @@ def test_the_report_is_one_self_contained_document():
     assert parsed["task_stream"][0]["key"] == HOSTILE and parsed["duration"] is None  # NaN: not JSON
 
 
+def test_the_report_has_every_element_of_the_status_page():
+    html = render_report(hostile_data())
+    status = render_page("status")
+    ids = re.findall(r'<(?:div|section|span)[^>]* id="([^"]+)"', status.split("<main>")[1])
+    assert "task-stream" in ids and "cpu" in ids
+    assert [i for i in ids if f'id="{i}"' not in html] == []
+    # the page loads the dashboard's scripts in their order, and the report inlines them in it
+    loaded = [status.index(f'src="static/{name}"') for name in SCRIPTS]
+    inlined = [html.index((STATIC / name).read_text(encoding="utf-8").splitlines()[0]) for name in SCRIPTS]
+    assert loaded == sorted(loaded) and inlined == sorted(inlined)
+
+
 def test_the_task_stream_keeps_the_newest_20000_rectangles(tab, tmp_path):
-    now = time.time()
-    records = [{"index": i, "key": f"t-{i}", "prefix": "t", "worker": f"inproc://1/{i % 4}", "thread": 1,
-                "start": now + i * 1e-4, "stop": now + i * 1e-4 + 5e-5, "status": "OK", "transfers": []}
-               for i in range(20_500)]
-    data = {**hostile_data(), "task_stream": records, "progress": {"prefixes": []}}
-    path = tmp_path / "many.html"
-    path.write_text(render_report(data), encoding="utf-8")
-    t = tab(offline=True)
-    t.page.goto(path.as_uri())
+    data = {**hostile_data(), "task_stream": narrow_tasks(20_500, rows=4), "progress": {"prefixes": []}}
+    t = open_report(tab, tmp_path / "many.html", data)
     t.wait("() => window.shoalDashboard && window.shoalDashboard.taskCount() === 20000")
     assert t.page.inner_text("#task-count") == "20000 tasks (the latest 20000)"
     assert t.js("window.shoalDashboard.taskPoint('t-499')") is None  # the oldest went
@@ -130,16 +137,11 @@ def test_the_task_stream_keeps_the_newest_20000_rectangles(tab, tmp_path):
 
 def test_narrow_tasks_are_drawn_as_runs_until_zoomed_in(tab, tmp_path):
     # 8,000 tasks of 50 us on 2 rows over ~0.8 s: hundreds to a pixel
-    now = time.time()
-    records = [{"index": i, "key": f"t-{i}", "prefix": "t", "worker": "inproc://1/1", "thread": 1 + i % 2,
-                "start": now + i * 1e-4, "stop": now + i * 1e-4 + 5e-5, "status": "OK", "transfers": []}
-               for i in range(8_000)]
+    records = narrow_tasks(8_000, rows=2)
+    now = records[0]["start"]
     records[4_000] = {**records[4_000], "key": "bad", "status": "error"}  # erred: never merged into a run
     data = {**hostile_data(), "task_stream": records, "progress": {"prefixes": []}}
-    path = tmp_path / "narrow.html"
-    path.write_text(render_report(data), encoding="utf-8")
-    t = tab(offline=True)
-    t.page.goto(path.as_uri())
+    t = open_report(tab, tmp_path / "narrow.html", data)
     t.wait("() => window.shoalDashboard && window.shoalDashboard.taskCount() === 8000")
     merged = t.js("window.shoalDashboard.taskRectangles()")
     assert 3 <= merged < 800

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import shoal  # noqa: E402
 from shoal import config  # noqa: E402
 from shoal.dashboard import server as dashboard_server  # noqa: E402
 from shoal.dashboard import parse_dashboard_address  # noqa: E402
+from shoal.dashboard.pages import PAGES, SCRIPTS  # noqa: E402
 from shoal_helpers import free_port, start_scheduler, start_worker  # noqa: E402
 
 #: how long a condition of a test may take to come true
@@ -211,29 +213,34 @@ def test_a_taken_port_falls_back_to_a_free_one(fast_updates, caplog):
         assert any(f"port {port} is taken" in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_without_aiohttp_the_cluster_runs_without_a_dashboard():
-    code = (
+def run_without(module: str, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a new Python in which ``import module`` fails, as when it is not
+    installed, after ``import shoal`` and with INFO logs on stderr; it must exit with 0."""
+    prelude = (
         "import logging, sys\n"
-        "sys.modules['aiohttp'] = None\n"  # import aiohttp fails, as when it is not installed
+        f"sys.modules[{module!r}] = None\n"
         "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
         "import shoal\n"
+    )
+    out = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_without_aiohttp_the_cluster_runs_without_a_dashboard():
+    out = run_without("aiohttp", (
         "with shoal.LocalCluster(n_workers=1, processes=False) as c, shoal.Client(c) as client:\n"
         "    assert client.submit(lambda: 41 + 1).result() == 42\n"
         "    print('link', c.dashboard_link, client.dashboard_link)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    ))
     assert out.stdout.strip() == "link None None"
     lines = [line for line in out.stderr.splitlines() if line.startswith("shoal.dashboard")]
     assert lines == ["shoal.dashboard: no dashboard: it needs aiohttp (pip install 'shoal[dashboard]')"], out.stderr
 
 
 def test_without_prometheus_client_there_is_no_metrics_endpoint():
-    code = (
-        "import logging, sys, urllib.request, urllib.error\n"
-        "sys.modules['prometheus_client'] = None\n"
-        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
-        "import shoal\n"
+    out = run_without("prometheus_client", (
+        "import urllib.request, urllib.error\n"
         "with shoal.LocalCluster(n_workers=0, processes=False, dashboard_address='127.0.0.1:0') as c:\n"
         "    base = c.dashboard_link.rsplit('/', 1)[0]\n"
         "    print(urllib.request.urlopen(base + '/health').read().decode())\n"
@@ -242,9 +249,7 @@ def test_without_prometheus_client_there_is_no_metrics_endpoint():
         "    except urllib.error.HTTPError as e:\n"
         "        with e:\n"
         "            print(e.code)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    ))
     assert out.stdout.split() == ["ok", "501"]
     assert "dashboard without /metrics: install shoal[dashboard]" in out.stderr
 
@@ -257,10 +262,17 @@ def test_pages_static_files_and_health(cluster):
     assert get(base + "/health") == (200, "text/plain; charset=utf-8", b"ok")
     with urllib.request.urlopen(base + "/", timeout=10) as r:  # a redirect to the status page
         assert r.url == base + "/status"
-    for page in ("status", "workers", "task", "graph"):
-        if (dashboard_server.STATIC / f"{page}.html").is_file():
-            status, kind, body = get(f"{base}/{page}")
-            assert status == 200 and kind.startswith("text/html"), (page, status, kind)
+    for page in PAGES:  # each a whole document: the shell, its own part, its scripts
+        status, kind, body = get(f"{base}/{page}")
+        assert status == 200 and kind.startswith("text/html"), (page, status, kind)
+        text = body.decode()
+        assert text.startswith("<!doctype html>") and f'<body data-page="{page}">' in text
+        assert re.findall(r'<a href="(\w+)" aria-current="page">', text) == [page]
+        assert not re.search(r'(href|src)="/', text)  # relative: it works behind a path prefix too
+        scripts = re.findall(r'<script src="(static/[^"]+)"', text)
+        assert scripts[-len(SCRIPTS):] == [f"static/{name}" for name in SCRIPTS], scripts
+        for src in scripts:
+            assert get(f"{base}/{src}")[0] == 200, (page, src)
     for name in ("../server.py", "..%2Fserver.py", "nothing.js"):
         assert get(f"{base}/static/{name}")[0] == 404, name
     assert get(base + "/nothing")[0] == 404

@@ -4,33 +4,13 @@ shared memory, tcp), as the workers report it."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import shoal
 from shoal.testing import wait_for
+from shoal_helpers import add, array_sum, boom, inc, make
 
 MB = 1 << 20
-
-
-def inc(x):
-    return x + 1
-
-
-def add(x, y):
-    return x + y
-
-
-def make(n_bytes):
-    return np.ones(n_bytes // 8)
-
-
-def total(a):
-    return float(a.sum())
-
-
-def boom(x):
-    raise ValueError(f"boom {x}")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +77,7 @@ def test_between_processes_small_values_go_over_tcp_and_large_ones_through_share
         large = client.submit(make, 8 * MB, workers=[a], pure=False)
         s1 = client.submit(add, small, 1, workers=[b])
         s2 = client.submit(add, small, 2, workers=[b])
-        t = client.submit(total, large, workers=[b])
+        t = client.submit(array_sum, large, workers=[b])
         assert s1.result() == 3 and s2.result() == 4 and t.result() == MB
     by_key = {r["key"]: r for r in ts.data}
     # an input fetched once for two tasks is drawn once, with the first that used it
@@ -112,7 +92,7 @@ def test_the_workers_figures_reach_the_scheduler(procs):
     cluster, client = procs
     a, b = sorted(cluster.scheduler.state.workers)
     x = client.submit(make, 8 * MB, workers=[a], pure=False)
-    y = client.submit(total, x, workers=[b])
+    y = client.submit(array_sum, x, workers=[b])
     assert y.result() == MB
     diagnostics = cluster.scheduler.diagnostics
     # heartbeats carry them (every heartbeat-interval)
