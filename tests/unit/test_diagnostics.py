@@ -7,17 +7,9 @@ import itertools
 import math
 from typing import Any
 
-import pytest
 from scheduler_harness import Sched, computes, task
 
 from shoal.scheduler.diagnostics import Diagnostics
-
-
-@pytest.fixture
-def s() -> Any:
-    h = Sched()
-    yield h
-    h.state.validate()
 
 
 def _diag(s: Sched, size: int = 100) -> Diagnostics:

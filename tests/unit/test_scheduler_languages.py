@@ -3,17 +3,8 @@ its language; one that no worker can run waits, queued, until such a worker join
 
 from __future__ import annotations
 
-from typing import Any
 
-import pytest
 from scheduler_harness import Sched, computes, task
-
-
-@pytest.fixture
-def s() -> Any:
-    h = Sched()
-    yield h
-    h.state.validate()
 
 
 def test_tasks_go_only_to_workers_of_their_language(s: Sched) -> None:

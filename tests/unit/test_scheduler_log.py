@@ -4,20 +4,11 @@ state gives the same instructions."""
 
 from __future__ import annotations
 
-from typing import Any
 
-import pytest
 from scheduler_harness import Sched, task, without_user_data
 
 from shoal.scheduler.state import AddClientEvent, AddWorkerEvent, TaskFinishedEvent, UpdateGraphEvent
 from shoal.statelog import DROPPED
-
-
-@pytest.fixture
-def s() -> Any:
-    h = Sched()
-    yield h
-    h.state.validate()
 
 
 def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(s: Sched) -> None:

@@ -25,13 +25,6 @@ from shoal.scheduler.state import (
 )
 
 
-@pytest.fixture
-def s() -> Any:
-    h = Sched()
-    yield h
-    h.state.validate()
-
-
 # ------------------------------------------------------------------------ basic flow
 
 
