@@ -99,12 +99,14 @@ class ForeignCall:
     """The payload of a task of another language: ``fn(*args, **kwargs)``, the
     arguments with futures already turned into :class:`~shoal.taskspec.Ref`\\ s."""
 
-    __slots__ = ("fn", "args", "kwargs")
+    __slots__ = ("fn", "args", "kwargs", "_frames")
 
     def __init__(self, fn: ForeignFunction, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
         self.fn = fn
         self.args = args
         self.kwargs = kwargs or {}
+        #: the header and frames, made once (at submit, where they are checked)
+        self._frames: tuple[dict[str, Any], list[Any]] | None = None
 
     def __repr__(self) -> str:
         return f"ForeignCall({self.fn!r}, {len(self.args)} args)"
@@ -112,11 +114,14 @@ class ForeignCall:
     def frames(self) -> tuple[dict[str, Any], list[Any]]:
         """The ``shoal.call`` header and frames; raises :class:`SerializationError` for
         an argument no other language can read."""
-        buffers: list[Any] = []
-        packed = msgpack.packb([_neutral(list(self.args), buffers, 0), _neutral(self.kwargs, buffers, 0)],
-                               use_bin_type=True)
-        header = {"language": self.fn.language, "module": self.fn.module, "function": self.fn.function}
-        return header, [packed, *buffers]
+        if self._frames is None:
+            buffers: list[Any] = []
+            packed = msgpack.packb([_neutral(list(self.args), buffers, 0), _neutral(self.kwargs, buffers, 0)],
+                                   use_bin_type=True)
+            header = {"language": self.fn.language, "module": self.fn.module, "function": self.fn.function}
+            self._frames = header, [packed, *buffers]
+        header, frames = self._frames
+        return dict(header), list(frames)
 
 
 def _neutral(value: Any, buffers: list[Any], depth: int) -> Any:

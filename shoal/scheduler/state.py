@@ -351,8 +351,7 @@ class SchedulerState(TaskTransitions):
                 ts.loose_restrictions = t.loose_restrictions
             if t.resources:
                 ts.resources = dict(t.resources)
-            if t.language != "python":
-                ts.language = t.language
+            ts.language = t.language
             self.tasks[key] = ts
             created.append(ts)
         for ts in created:
