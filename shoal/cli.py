@@ -143,10 +143,12 @@ def _worker(args: argparse.Namespace) -> int:
     from .comm.core import parse_address
     from .errors import ShoalError
     from .worker.memory import parse_memory_limit
+    from .worker.monitor import keep_heap_small
     from .worker.nanny import EXIT_GAVE_UP, die_with_parent
     from .worker.reconnect import keep_joined
     from .worker.server import Worker
 
+    keep_heap_small()
     if args.nanny_address:
         die_with_parent()  # (after _Signals: a SIGTERM from the kernel closes it cleanly)
     if args.work_dir:

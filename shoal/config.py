@@ -83,9 +83,17 @@ _DEFAULTS: dict[str, Any] = {
     "memory-spill": 0.7,
     "memory-pause": 0.8,
     "memory-terminate": 0.95,
+    # of a worker's memory limit, what it fetches from peers at once (over the network;
+    # mapped segments are not counted), as dask.distributed's memory.transfer (0: no
+    # bound but the 64 MiB of one request)
+    "memory-transfer": 0.1,
     # seconds between two looks at a worker's process memory (by the worker, and by its
     # nanny for the terminate rule)
     "memory-monitor-interval": 0.1,
+    # a worker process has glibc give freed memory back to the system once this many
+    # bytes are free at the top of its heap, and map large blocks on their own (0:
+    # glibc's defaults; MALLOC_TRIM_THRESHOLD_ in the environment wins)
+    "malloc-trim-threshold": 65536,
     # where workers keep their spilled values (a directory of their own under it);
     # "" is the system's temporary directory
     "local-directory": "",

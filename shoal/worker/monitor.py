@@ -26,6 +26,18 @@ their part of it: they go by the store's figures alone.
 
 The *terminate* rule is the nanny's (:mod:`shoal.worker.nanny`): a process past it
 is beyond saving from inside.
+
+Freed memory goes back to the system. glibc's allocator keeps what a program frees for
+its next allocations, and after a large block is freed it serves blocks up to that size
+from its heap instead of mapping them afresh (its "dynamic mmap threshold"), so a
+worker that computed and spilled 16 MiB arrays keeps their pages: its resident memory
+stays high with nothing in it, it is paused with nothing to spill, and its nanny kills
+it. A worker process therefore sets glibc's trim threshold (:func:`keep_heap_small`,
+setting ``malloc-trim-threshold``, unless ``MALLOC_TRIM_THRESHOLD_`` is in its
+environment: the user's word wins), which also keeps large blocks mapped on their own
+and returned when freed; and a look that finds the process past *spill* with nothing
+left to spill asks glibc to give back what it still holds (``malloc_trim``) before it
+pauses. Workers in a user's process leave its allocator alone.
 """
 
 from __future__ import annotations
@@ -34,14 +46,50 @@ import logging
 import os
 from typing import Any
 
+from .. import config
 from .memory import Thresholds, format_bytes
 
-__all__ = ["MemoryMonitor", "memory_report"]
+__all__ = ["MemoryMonitor", "memory_report", "keep_heap_small", "trim_heap"]
 
 logger = logging.getLogger("shoal.worker")
 
 
 _process: Any = None
+_libc: Any = None
+
+
+def _glibc() -> Any:
+    """The C library if it is glibc (its ``mallopt``/``malloc_trim``), else None."""
+    global _libc
+    if _libc is None:
+        _libc = False
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc has both; musl, macOS do not
+            _libc = libc
+        except (OSError, AttributeError):
+            pass
+    return _libc or None
+
+
+def keep_heap_small() -> bool:
+    """In a worker's own process: have glibc return freed memory to the system (see
+    the module). Returns whether it was set."""
+    threshold = int(config.get("malloc-trim-threshold"))
+    libc = _glibc()
+    if threshold <= 0 or libc is None or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    M_TRIM_THRESHOLD = -1
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
+
+
+def trim_heap() -> None:
+    """Give the memory glibc holds free back to the system (nothing elsewhere)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _memory_info() -> Any:
@@ -148,6 +196,9 @@ class MemoryMonitor:
                 logger.info("process memory %s is past the spill threshold (%s of a %s limit): "
                             "values moved to disk", format_bytes(used), format_bytes(t.spill), format_bytes(t.limit))
             if freed:
+                used = self.used()
+            if used > goal and self.own_process:
+                trim_heap()  # nothing (more) to spill: what the allocator holds free
                 used = self.used()
         self.unmanaged = max(0, used - int(self.store.managed) - int(self.store.shm_owned))
         over = t.pause is not None and used > t.pause

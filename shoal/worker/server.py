@@ -203,7 +203,8 @@ class Worker:
         self.state = WorkerState(self.address, self.nthreads, data=self.store,
                                  queued=config.get("executor-queue"),
                                  max_peer_failures=max(1, config.get("gather-peer-failures")),
-                                 resources=self.resources)
+                                 resources=self.resources,
+                                 transfer_bytes=self._transfer_bytes())
         register: dict[str, Any] = {
             "op": "register-worker", "address": self.address, "nthreads": self.nthreads,
             "host": local_info()["host"], "pid": os.getpid(), "name": self.name or self.address,
@@ -241,6 +242,14 @@ class Worker:
         return self
 
     # -- memory (shoal.worker.monitor)
+
+    def _transfer_bytes(self) -> int | None:
+        """The bytes this worker fetches from peers at once: ``memory-transfer`` of its
+        memory limit (None: no limit, or that rule off)."""
+        fraction = float(config.get("memory-transfer"))
+        if self.memory_limit is None or fraction <= 0:
+            return None
+        return max(1, int(fraction * self.memory_limit))
 
     def _make_store(self, own_process: bool) -> WorkerStore:
         """The store of this worker's values: with a memory limit, one that spills

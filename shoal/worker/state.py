@@ -48,7 +48,12 @@ than it can run, so it fetches the inputs of the next tasks while computing. Up 
 (state ``executing``, waiting for a thread): a thread that finishes one task starts the
 next at once, with no round trip through the event loop. Fetches go
 to one peer at a time per peer, batched: every input wanted from that peer goes in one
-request, up to ``gather_bytes``.
+request, up to ``gather_bytes``. With ``transfer_bytes`` (a worker with a memory limit:
+``memory-transfer`` of it), the bytes in flight over the network at once stay within
+it too, and so does each request: a worker that recomputes what a lost peer held
+does not take in more than it can hold (one request may exceed it when it is the only
+one in flight: a single value larger than it must still come). Values mapped from
+shared memory are not counted: they cost the mapper nothing.
 
 A task that asks for abstract resources (``{"GPU": 1}``, of those the worker was
 started with) waits in ``ready`` until they are free, then holds them until its thread
@@ -123,6 +128,7 @@ class WorkerState:
         queued: int = 0,
         max_peer_failures: int = 3,
         resources: Mapping[str, float] | None = None,
+        transfer_bytes: int | None = None,
     ):
         if nthreads < 1:
             raise ValueError(f"a worker needs at least one thread, got {nthreads}")
@@ -152,7 +158,11 @@ class WorkerState:
         self.holding: dict[WTask, dict[str, float]] = {}
         self.fetching: set[WTask] = set()  # state "fetch"
         self.in_flight_workers: dict[str, set[WTask]] = {}
-        self.gather_bytes = gather_bytes
+        if transfer_bytes is not None and transfer_bytes < 1:
+            raise ValueError(f"transfer_bytes must be at least 1 (or None), got {transfer_bytes}")
+        #: bytes fetched over the network at once, at most (None: no bound but requests')
+        self.transfer_bytes = transfer_bytes
+        self.gather_bytes = gather_bytes if transfer_bytes is None else min(gather_bytes, transfer_bytes)
         self.max_gathers = max_gathers
         self.max_peer_failures = max_peer_failures
         #: peer -> fetches from it that failed in a row (bounded: see _count_failure)
@@ -676,21 +686,24 @@ class WorkerState:
         budget = self.max_gathers - len(self.in_flight_workers.keys() - {SHM})
         if budget <= 0:
             return
+        room = None if self.transfer_bytes is None else self.transfer_bytes - self.in_flight_bytes()
         for ts in sorted(self.fetching):
-            if budget <= 0:
+            if budget <= 0 or (room is not None and room <= 0):
                 break
             if ts.state != "fetch" or ts.shm is not None:
                 continue
             peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
             if not peers:
                 continue
+            if room is not None and ts.nbytes > room and len(self.in_flight_workers.keys() - {SHM}):
+                continue  # not now: it comes when the requests in flight are in
             peer = peers[0]
             batch = [ts]
             total = ts.nbytes
             for other in sorted(self.fetching):
                 if other is ts or other.state != "fetch" or peer not in other.who_has or other.shm is not None:
                     continue
-                if total + other.nbytes > self.gather_bytes:
+                if total + other.nbytes > self.gather_bytes or (room is not None and total + other.nbytes > room):
                     break
                 batch.append(other)
                 total += other.nbytes
@@ -701,6 +714,13 @@ class WorkerState:
             self.in_flight_workers[peer] = set(batch)
             self._out.append(GatherDep(self._stimulus, peer, [t.key for t in batch], total))
             budget -= 1
+            if room is not None:
+                room -= total
+
+    def in_flight_bytes(self) -> int:
+        """The bytes of the fetches over the network in flight now (by the sizes the
+        scheduler gave; values mapped from shared memory are not counted)."""
+        return sum(ts.nbytes for peer, flight in self.in_flight_workers.items() if peer != SHM for ts in flight)
 
     # -- inspection
 

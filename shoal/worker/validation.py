@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .model import STATES
+from .model import SHM, STATES
 
 if TYPE_CHECKING:
     from .state import WorkerState
@@ -64,7 +64,11 @@ def validate_state(state: WorkerState) -> None:
         for ts in flight:
             assert ts.state == "flight" and ts.coming_from == peer and state.tasks.get(ts.key) is ts
     if len(state.in_flight_workers) < state.max_gathers and not state.paused:
+        room = None if state.transfer_bytes is None else state.transfer_bytes - state.in_flight_bytes()
         for ts in state.fetching:
+            if ts.shm is None and room is not None and (room <= 0 or ts.nbytes > room) and \
+                    state.in_flight_workers.keys() - {SHM}:
+                continue  # waits for room among the bytes in flight
             assert ts.who_has <= state.in_flight_workers.keys(), f"{ts} could be fetched now"
 
 

@@ -531,3 +531,56 @@ def test_whether_a_new_value_fits_counts_the_store_and_the_rest_of_the_process(s
     unlimited = MemoryMonitor(store, Thresholds(limit, None, None, None, None), own_process=True,
                               pause=lambda paused: None)
     assert unlimited.fits(limit)
+
+
+_HEAP_SCRIPT = """
+from concurrent.futures import ThreadPoolExecutor
+import numpy as np
+import psutil
+from shoal.worker.monitor import keep_heap_small, private_memory
+
+print(keep_heap_small())
+def private():
+    return private_memory(psutil.Process().memory_info())
+def task(i):
+    out = np.empty(16 << 17)  # 16 MiB
+    out.fill(i)
+    return out
+# as a worker does: tasks in a thread make arrays; the store keeps the last six
+# (the older ones "spill": dropped) and small records of its own besides
+with ThreadPoolExecutor(1) as pool:
+    before = private()
+    arrays, records = {}, []
+    for i in range(24):
+        arrays[i] = pool.submit(task, i).result()
+        arrays.pop(i - 6, None)
+        records.append(bytearray(4096))
+    middle = private()
+    arrays.clear()
+    print(before, middle, private())
+"""
+
+
+def _run_heap_script(env: dict[str, str]) -> tuple[str, list[int]]:
+    out = subprocess.run([sys.executable, "-c", _HEAP_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split("\n")
+    return out[0], [int(x) for x in out[1].split()]
+
+
+def test_a_worker_process_gives_freed_arrays_back_to_the_system() -> None:
+    from shoal.worker.monitor import _glibc
+
+    if _glibc() is None:
+        pytest.skip("glibc's allocator only: other C libraries have no trim threshold to set")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+    was_set, (before, middle, after) = _run_heap_script(env)
+    assert was_set == "True"
+    assert middle - before >= 90 << 20, "the arrays were resident"
+    assert after - before < 8 << 20, f"{(after - before) >> 20} MiB kept after the arrays were freed"
+
+
+def test_the_users_malloc_setting_wins_and_zero_turns_it_off() -> None:
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "1000000"}
+    assert _run_heap_script(env)[0] == "False"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+    assert _run_heap_script({**env, "SHOAL_MALLOC_TRIM_THRESHOLD": "0"})[0] == "False"

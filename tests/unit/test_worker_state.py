@@ -193,6 +193,39 @@ def test_a_single_dependency_larger_than_gather_bytes_is_still_fetched() -> None
     assert gathers(out) == [("p1", ["a"], 1000)]
 
 
+def test_transfer_bytes_bounds_the_bytes_in_flight_across_peers() -> None:
+    w = Wk(max_gathers=4, transfer_bytes=100)
+    assert w.state.gather_bytes == 100, "a request is within the bound too"
+    out = w.compute("t", {"a": ["p1"], "b": ["p2"], "c": ["p3"]}, {"a": 60, "b": 30, "c": 60})
+    assert gathers(out) == [("p1", ["a"], 60), ("p2", ["b"], 30)]
+    assert w.state.in_flight_bytes() == 90
+    assert w.state.tasks["c"].state == "fetch", "c waits for room"
+    assert gathers(w.gathered("p2", {"b": 1}, ["b"])) == [], "still no room for 60 bytes"
+    assert gathers(w.gathered("p1", {"a": 1}, ["a"])) == [("p3", ["c"], 60)]
+    assert executes(w.gathered("p3", {"c": 1}, ["c"])) == ["t"]
+
+
+def test_a_value_larger_than_transfer_bytes_comes_alone() -> None:
+    w = Wk(transfer_bytes=100)
+    out = w.compute("t", {"a": ["p1"], "b": ["p2"]}, {"a": 1000, "b": 10})
+    assert gathers(out) == [("p1", ["a"], 1000)], "the only request in flight may exceed the bound"
+    assert gathers(w.gathered("p1", {"a": 1}, ["a"])) == [("p2", ["b"], 10)]
+
+
+def test_values_mapped_from_shared_memory_do_not_count_against_transfer_bytes() -> None:
+    w = Wk(transfer_bytes=100)
+    shm_info = ["segment", 0, 200]
+    out = w(ComputeTaskEvent("c", "t", "p", {"a": ["p1"], "b": ["p2"]}, {"a": 200, "b": 90}, (0,), {"a": shm_info}))
+    assert [type(i).__name__ for i in out].count("AttachShm") == 1
+    assert gathers(out) == [("p2", ["b"], 90)]
+    assert w.state.in_flight_bytes() == 90
+
+
+def test_transfer_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="transfer_bytes"):
+        WorkerState(ME, transfer_bytes=0)
+
+
 def test_at_most_max_gathers_peers_at_once() -> None:
     w = Wk(max_gathers=2)
     deps = {f"d{i}": [f"p{i}"] for i in range(4)}
@@ -605,6 +638,9 @@ class WorkerMachine(RuleBasedStateMachine):
                 assert inst.worker not in self.requests, f"a second request to {inst.worker}"
                 assert inst.worker != ME
                 assert len(inst.keys) == 1 or inst.total_nbytes <= st_.gather_bytes
+                if st_.transfer_bytes is not None:
+                    # beyond the bound only as the one request in flight
+                    assert st_.in_flight_bytes() <= st_.transfer_bytes or len(self.requests) == 0
                 for k in inst.keys:
                     assert st_.tasks[k].state == "flight" and st_.tasks[k].coming_from == inst.worker
                 self.requests[inst.worker] = list(inst.keys)
@@ -720,8 +756,17 @@ class WorkerMachine(RuleBasedStateMachine):
         assert_replays(s, self.h.out, **self.h.params)
 
 
+class BoundedTransfersMachine(WorkerMachine):
+    """The same with a bound on the bytes fetched at once (a worker with a memory limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = Wk(nthreads=2, max_gathers=2, gather_bytes=25, queued=1, resources={"GPU": 2}, transfer_bytes=20)
+
+
 TestWorkerMachine = WorkerMachine.TestCase
-TestWorkerMachine.settings = settings(
+TestBoundedTransfersMachine = BoundedTransfersMachine.TestCase
+TestWorkerMachine.settings = TestBoundedTransfersMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
