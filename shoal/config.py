@@ -90,10 +90,11 @@ _DEFAULTS: dict[str, Any] = {
     # seconds between two looks at a worker's process memory (by the worker, and by its
     # nanny for the terminate rule)
     "memory-monitor-interval": 0.1,
-    # a worker process has glibc give freed memory back to the system once this many
-    # bytes are free at the top of its heap, and map large blocks on their own (0:
-    # glibc's defaults; MALLOC_TRIM_THRESHOLD_ in the environment wins)
-    "malloc-trim-threshold": 65536,
+    # a worker process has glibc map blocks of this many bytes and more on their own
+    # (returned when freed) and give back what is free at the top of its heap past it
+    # (0: glibc's defaults; MALLOC_TRIM_THRESHOLD_ or MALLOC_MMAP_THRESHOLD_ in the
+    # environment wins)
+    "malloc-threshold": 4 << 20,
     # where workers keep their spilled values (a directory of their own under it);
     # "" is the system's temporary directory
     "local-directory": "",

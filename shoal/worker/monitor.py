@@ -32,12 +32,16 @@ its next allocations, and after a large block is freed it serves blocks up to th
 from its heap instead of mapping them afresh (its "dynamic mmap threshold"), so a
 worker that computed and spilled 16 MiB arrays keeps their pages: its resident memory
 stays high with nothing in it, it is paused with nothing to spill, and its nanny kills
-it. A worker process therefore sets glibc's trim threshold (:func:`keep_heap_small`,
-setting ``malloc-trim-threshold``, unless ``MALLOC_TRIM_THRESHOLD_`` is in its
-environment: the user's word wins), which also keeps large blocks mapped on their own
-and returned when freed; and a look that finds the process past *spill* with nothing
-left to spill asks glibc to give back what it still holds (``malloc_trim``) before it
-pauses. Workers in a user's process leave its allocator alone.
+it. A worker process therefore fixes glibc's thresholds (:func:`keep_heap_small`,
+setting ``malloc-threshold``, unless ``MALLOC_TRIM_THRESHOLD_`` or
+``MALLOC_MMAP_THRESHOLD_`` is in its environment: the user's word wins): blocks of 4 MiB
+and more (arrays, values read back) are mapped on their own and returned when freed,
+and the heap gives back what is free at its top past 4 MiB. Not less: the blocks of
+1 MiB that reading a compressed spill file goes through stay warm in the heap (with
+glibc's default of 128 kiB each would be fresh pages, and reading back takes twice as
+long). A look that finds the process past *spill* with nothing left to spill asks glibc
+to give back what it still holds (``malloc_trim``) before it pauses. Workers in a user's
+process leave its allocator alone.
 """
 
 from __future__ import annotations
@@ -77,12 +81,13 @@ def _glibc() -> Any:
 def keep_heap_small() -> bool:
     """In a worker's own process: have glibc return freed memory to the system (see
     the module). Returns whether it was set."""
-    threshold = int(config.get("malloc-trim-threshold"))
+    threshold = int(config.get("malloc-threshold"))
     libc = _glibc()
-    if threshold <= 0 or libc is None or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+    if threshold <= 0 or libc is None or "MALLOC_TRIM_THRESHOLD_" in os.environ \
+            or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    M_TRIM_THRESHOLD = -1
-    return bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
 
 
 def trim_heap() -> None:

@@ -572,7 +572,7 @@ def test_a_worker_process_gives_freed_arrays_back_to_the_system() -> None:
 
     if _glibc() is None:
         pytest.skip("glibc's allocator only: other C libraries have no trim threshold to set")
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     was_set, (before, middle, after) = _run_heap_script(env)
     assert was_set == "True"
     assert middle - before >= 90 << 20, "the arrays were resident"
@@ -580,7 +580,7 @@ def test_a_worker_process_gives_freed_arrays_back_to_the_system() -> None:
 
 
 def test_the_users_malloc_setting_wins_and_zero_turns_it_off() -> None:
-    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "1000000"}
-    assert _run_heap_script(env)[0] == "False"
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
-    assert _run_heap_script({**env, "SHOAL_MALLOC_TRIM_THRESHOLD": "0"})[0] == "False"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        assert _run_heap_script({**env, name: "1000000"})[0] == "False"
+    assert _run_heap_script({**env, "SHOAL_MALLOC_THRESHOLD": "0"})[0] == "False"
