@@ -32,21 +32,22 @@ from typing import Any
 import msgpack
 
 from .errors import SerializationError
+from .protocol.neutral import (
+    ARRAY_DTYPES,
+    EXT_ARRAY,
+    EXT_REF,
+    NeutralArray,
+    from_neutral,
+    pack_key,
+    to_neutral,
+)
 from .protocol.resources import language_problem
-from .protocol.serialize import register_serializer
+from .protocol.serialize import DESTINATIONS, NEUTRAL, register_serializer
 from .taskspec import Ref
 
 __all__ = ["foreign", "ForeignFunction", "ForeignCall", "NeutralArray", "ARRAY_DTYPES", "EXT_REF", "EXT_ARRAY"]
 
-#: the numpy type strings an array of every language may have (little-endian)
-ARRAY_DTYPES = ("|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f4", "<f8")
-#: ext types inside a ``shoal.call``'s arguments
-EXT_REF = 3
-EXT_ARRAY = 4
-#: ext type of a tuple in shoal's messages (a key may be a tuple)
-_EXT_TUPLE = 1
-#: how deep arguments may nest
-_MAX_DEPTH = 64
+_WHAT = "an argument of a foreign task"
 
 
 class ForeignFunction:
@@ -116,119 +117,21 @@ class ForeignCall:
         an argument no other language can read."""
         if self._frames is None:
             buffers: list[Any] = []
-            packed = msgpack.packb([_neutral(list(self.args), buffers, 0), _neutral(self.kwargs, buffers, 0)],
-                                   use_bin_type=True)
+            if any(type(k) is not str for k in self.kwargs):
+                raise SerializationError(f"{_WHAT}: keyword names must be str")
+            packed = msgpack.packb([to_neutral(list(self.args), buffers, _ref_ext, _WHAT),
+                                    to_neutral(self.kwargs, buffers, _ref_ext, _WHAT)], use_bin_type=True)
             header = {"language": self.fn.language, "module": self.fn.module, "function": self.fn.function}
             self._frames = header, [packed, *buffers]
         header, frames = self._frames
         return dict(header), list(frames)
 
 
-def _neutral(value: Any, buffers: list[Any], depth: int) -> Any:
-    """``value`` as msgpack-native data with ext 3 and ext 4 (see the module)."""
-    if depth > _MAX_DEPTH:
-        raise SerializationError(f"the arguments of a foreign task nest deeper than {_MAX_DEPTH}")
-    typ = type(value)
-    if value is None or typ in (bool, str, bytes, float):
-        return value
-    if typ is int:
-        if not -(1 << 63) <= value < (1 << 64):
-            raise SerializationError(f"an int of {value.bit_length()} bits has no meaning in another language")
-        return value
-    if typ in (list, tuple):
-        return [_neutral(v, buffers, depth + 1) for v in value]
-    if typ is dict:
-        out = {}
-        for k, v in value.items():
-            if type(k) is not str:
-                raise SerializationError(
-                    f"a map key of a foreign task's arguments must be a str, got {type(k).__name__}")
-            out[k] = _neutral(v, buffers, depth + 1)
-        return out
-    if typ is Ref:
-        return msgpack.ExtType(EXT_REF, _pack_key(value.key))
-    if typ is bytearray or typ is memoryview:
-        return bytes(value)
-    if _is_ndarray(value):
-        dtype, shape, raw = array_parts(value)
-        buffers.append(raw)
-        return msgpack.ExtType(EXT_ARRAY, msgpack.packb([dtype, shape, len(buffers)]))
-    raise SerializationError(
-        f"a value of type {typ.__module__}.{typ.__qualname__} has no meaning on a worker of another language "
-        "(arguments of foreign tasks: None, bool, int, float, str, bytes, lists, dicts with str keys, "
-        "numpy arrays of numbers or bools, futures)")
-
-
-def _pack_key(key: Any) -> bytes:
-    """A task key as shoal's messages carry it (tuples as ext 1)."""
-    return msgpack.packb(key, use_bin_type=True, default=_key_default, strict_types=True)
-
-
-def _key_default(obj: Any) -> Any:
-    if type(obj) is tuple:
-        return msgpack.ExtType(_EXT_TUPLE, _pack_key(list(obj)))
-    raise SerializationError(f"a key of type {type(obj).__name__} cannot be packed")
-
-
-def _is_ndarray(value: Any) -> bool:
-    typ = type(value)
-    return typ.__module__ == "numpy" and typ.__name__ == "ndarray"
-
-
-def array_parts(array: Any) -> tuple[str, list[int], memoryview]:
-    """The dtype string, shape and raw bytes (C order, little-endian) of a numpy array
-    of a numeric or bool type; a copy only when it is not so already."""
-    import numpy as np
-
-    dtype = array.dtype
-    if dtype.byteorder == ">":
-        dtype = dtype.newbyteorder("<")
-    if dtype.str not in ARRAY_DTYPES:
-        raise SerializationError(f"a numpy array of dtype {array.dtype} has no meaning in another language "
-                                 f"(dtypes: {', '.join(ARRAY_DTYPES)})")
-    array = np.ascontiguousarray(array, dtype=dtype)
-    return dtype.str, list(array.shape), memoryview(array).cast("B")
-
-
-def array_from_parts(dtype: Any, shape: Any, raw: Any) -> Any:
-    """The numpy array over ``raw`` (no copy) that ``dtype`` and ``shape`` describe;
-    ``ValueError`` for a dtype, shape or length that do not fit."""
-    import numpy as np
-
-    if dtype not in ARRAY_DTYPES:
-        raise ValueError(f"an array of dtype {dtype!r:.60} (dtypes: {', '.join(ARRAY_DTYPES)})")
-    if type(shape) is not list or len(shape) > 32 or not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError(f"an array's shape is a list of at most 32 ints >= 0, got {shape!r:.100}")
-    dt = np.dtype(dtype)
-    count = 1
-    for n in shape:
-        count *= n
-    view = memoryview(raw).cast("B")
-    if view.nbytes != count * dt.itemsize:
-        raise ValueError(
-            f"an array of shape {shape} and dtype {dtype} has {count * dt.itemsize} bytes, got {view.nbytes}")
-    return np.frombuffer(view, dtype=dt).reshape(shape)
-
-
-class NeutralArray:
-    """A numpy array to send in the family ``shoal.array`` (wrap it: by default, numpy
-    arrays travel pickled between Python processes)."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
-
-
-def _array_dumps(value: NeutralArray, destination: str) -> tuple[dict[str, Any], list[Any]]:
-    dtype, shape, raw = array_parts(value.array)
-    return {"dtype": dtype, "shape": shape}, [raw]
-
-
-def _array_loads(header: Any, frames: Any) -> Any:
-    if len(frames) != 1:
-        raise ValueError(f"a shoal.array has one frame, got {len(frames)}")
-    return array_from_parts(header.get("dtype"), header.get("shape"), frames[0])
+def _ref_ext(value: Any) -> Any:
+    """A dependency (a future turned into a :class:`~shoal.taskspec.Ref`) as ext 3."""
+    if type(value) is Ref:
+        return msgpack.ExtType(EXT_REF, pack_key(value.key))
+    return None
 
 
 def _call_dumps(call: ForeignCall, destination: str) -> tuple[dict[str, Any], list[Any]]:
@@ -241,22 +144,16 @@ def _call_loads(header: Any, frames: Any) -> ForeignCall:
     if not frames:
         raise ValueError("a shoal.call has at least one frame")
 
-    def hook(code: int, data: bytes) -> Any:
+    def ref(code: int, data: bytes) -> Any:
         if code == EXT_REF:
-            return Ref(msgpack.unpackb(data, ext_hook=hook, raw=False))
-        if code == _EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, ext_hook=hook, raw=False))
-        if code == EXT_ARRAY:
-            dtype, shape, index = msgpack.unpackb(data, raw=False)
-            if type(index) is not int or not 1 <= index < len(frames):
-                raise ValueError(f"an array argument names frame {index!r:.20} of {len(frames)}")
-            return array_from_parts(dtype, shape, frames[index])
+            return Ref(from_neutral(data, ()))
         raise ValueError(f"unknown ext type {code} in a shoal.call")
 
-    args, kwargs = msgpack.unpackb(frames[0], ext_hook=hook, raw=False, strict_map_key=True)
+    args, kwargs = from_neutral(frames[0], frames, ref)
+    if type(args) is not list or type(kwargs) is not dict:
+        raise ValueError("a shoal.call's arguments are [args, kwargs]")
     fn = ForeignFunction(header.get("language"), header.get("module"), header.get("function"))
     return ForeignCall(fn, tuple(args), kwargs)
 
 
-register_serializer(ForeignCall, _call_dumps, _call_loads, name="shoal.call")
-register_serializer(NeutralArray, _array_dumps, _array_loads, name="shoal.array")
+register_serializer(ForeignCall, _call_dumps, _call_loads, destinations=[*DESTINATIONS, NEUTRAL], name="shoal.call")

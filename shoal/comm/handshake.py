@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgpack
 
 from ..errors import AuthenticationError, CommError, HandshakeError, ProtocolError, ShoalError
-from ..protocol import PROTOCOL_VERSION, REMOTE, SAME_HOST
+from ..protocol import NEUTRAL, PROTOCOL_VERSION, REMOTE, SAME_HOST
 from ..protocol.messages import (
     HANDSHAKE,
     HandshakeAuthMsg,
@@ -138,6 +138,10 @@ async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, t
     protocol.set_limits()
 
 
+#: the one value of ``reads`` (handshake step 2) besides its absence
+READS_NEUTRAL = "neutral"
+
+
 def _direction(role: bytes) -> str:
     return "to" if role == CONNECTOR else "from"
 
@@ -171,6 +175,9 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
         if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.proof):
             raise _Refused("authentication failed: the peer does not know this cluster's secret", auth=True)
         # the peer is one of ours from here on
+        if info.reads not in (None, READS_NEUTRAL):
+            raise _Refused(f"the peer reads {info.reads!r:.40}; this end knows only {READS_NEUTRAL!r} "
+                           "(or no 'reads': every family)")
         offered = info.shm_probe
         can_map = offered is not None and len(offered) == 2 and shm.check_probe(*offered)
         await comm.write(to_wire(HandshakeShmMsg(can_map)))
@@ -187,7 +194,10 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
         "authenticated": secret is not None,
         "shm": {"peer_maps_ours": answer.can_map, "we_map_theirs": can_map},
     }
-    comm.destination = SAME_HOST if answer.can_map else REMOTE
+    if info.reads is not None:
+        comm.peer_info["reads"] = info.reads
+    # a peer that reads only neutral encodings gets them, whatever it can map
+    comm.destination = NEUTRAL if info.reads == READS_NEUTRAL else SAME_HOST if answer.can_map else REMOTE
     return probe
 
 

@@ -5,6 +5,7 @@ from .leases import Lease, lease
 from .functions import clear_function_cache, dumps_function, function_cache_info, loads_function
 from .serialize import (
     DESTINATIONS,
+    NEUTRAL,
     REMOTE,
     SAME_HOST,
     SAME_PROCESS,
@@ -16,6 +17,8 @@ from .serialize import (
     sizeof,
     to_serialize,
 )
+
+from . import neutral as _neutral  # noqa: F401 - its families: shoal.value, shoal.array
 
 PROTOCOL_VERSION = 4
 
@@ -32,6 +35,7 @@ __all__ = [
     "function_cache_info",
     "clear_function_cache",
     "DESTINATIONS",
+    "NEUTRAL",
     "REMOTE",
     "SAME_HOST",
     "SAME_PROCESS",

@@ -33,7 +33,7 @@ import msgpack
 from ..errors import ProtocolError, SerializationError
 from .leases import Lease, collecting
 from .serialize import (
-    DESTINATIONS,
+    ALL_DESTINATIONS,
     BigInt,
     REMOTE,
     Serialize,
@@ -102,8 +102,8 @@ class Prepared:
         """Serialize: ``[header, table, *family frames]``. Raises ``ValueError`` for an
         unknown destination and :class:`SerializationError` for a value that cannot be
         serialized, before returning anything."""
-        if destination not in DESTINATIONS:
-            raise ValueError(f"unknown destination {destination!r}; expected one of {DESTINATIONS}")
+        if destination not in ALL_DESTINATIONS:
+            raise ValueError(f"unknown destination {destination!r}; expected one of {ALL_DESTINATIONS}")
         try:
             header = _pack(self.msg)
         except (TypeError, ValueError) as exc:  # e.g. a str with lone surrogates

@@ -63,7 +63,10 @@ class HandshakeAuthMsg(Msg, tag="handshake-auth"):
     pid: int = 0
     host: str = ""
     shm_probe: list[str] | None = None
-    optional: ClassVar[tuple[str, ...]] = ("shm_probe",)
+    #: ``"neutral"``: the sender decodes only language-neutral encodings (§3, §4.5);
+    #: absent: every family (a Python peer)
+    reads: str | None = None
+    optional: ClassVar[tuple[str, ...]] = ("shm_probe", "reads")
 
 
 class HandshakeShmMsg(Msg, tag="handshake-shm"):

@@ -7,7 +7,8 @@ A *family* turns one object into ``(header, frames)`` for a destination and back
   header);
 - ``loads(header, frames) -> obj``.
 
-The destination is one of ``"same-process"``, ``"same-host"`` or ``"remote"``. Families
+The destination is one of ``"same-process"``, ``"same-host"`` or ``"remote"``, or
+``"neutral"`` for a peer in another language (:mod:`.neutral`: no pickle). Families
 are registered by type and looked up along the value's MRO, first for the destination at
 hand; the built-in ``pickle`` family (pickle protocol 5 with out-of-band buffers,
 cloudpickle for functions, lambdas and ``__main__`` objects) serves everything else.
@@ -36,6 +37,8 @@ __all__ = [
     "SAME_HOST",
     "REMOTE",
     "DESTINATIONS",
+    "NEUTRAL",
+    "ALL_DESTINATIONS",
     "Serialize",
     "Serialized",
     "to_serialize",
@@ -51,7 +54,12 @@ __all__ = [
 SAME_PROCESS = "same-process"
 SAME_HOST = "same-host"
 REMOTE = "remote"
+#: the Python destinations: what families serve unless they say otherwise
 DESTINATIONS = (SAME_PROCESS, SAME_HOST, REMOTE)
+#: a peer that reads only language-neutral encodings (a worker in another language:
+#: see :mod:`.neutral`)
+NEUTRAL = "neutral"
+ALL_DESTINATIONS = (*DESTINATIONS, NEUTRAL)
 
 Header = dict[str, Any]
 Frames = list[Any]
@@ -153,15 +161,16 @@ def register_serializer(
 ) -> None:
     """Use ``dumps``/``loads`` for ``cls`` and its subclasses, for the given destinations.
 
-    ``destinations`` defaults to all three. ``name`` (default: the class's qualified
-    name) travels in the message so the receiver finds the same family; both ends must
-    register it. Raises ``ValueError`` for an unknown destination or a name already
-    taken by other functions.
+    ``destinations`` defaults to the three Python ones (add :data:`NEUTRAL` for a
+    family that peers in other languages read). ``name`` (default: the class's
+    qualified name) travels in the message so the receiver finds the same family; both
+    ends must register it. Raises ``ValueError`` for an unknown destination or a name
+    already taken by other functions.
     """
     dests = tuple(DESTINATIONS if destinations is None else destinations)
-    bad = [d for d in dests if d not in DESTINATIONS]
+    bad = [d for d in dests if d not in ALL_DESTINATIONS]
     if bad:
-        raise ValueError(f"unknown destination(s) {bad}; expected some of {DESTINATIONS}")
+        raise ValueError(f"unknown destination(s) {bad}; expected some of {ALL_DESTINATIONS}")
     name = name or f"{cls.__module__}.{cls.__qualname__}"
     with _lock:
         old = _families.get(name)
@@ -234,8 +243,8 @@ def serialize(obj: Any, destination: str = REMOTE) -> Serialized:
     Returns a :class:`Serialized`. Raises :class:`SerializationError` naming the type
     (and, inside containers, the place) of the part that could not be serialized.
     """
-    if destination not in DESTINATIONS:
-        raise ValueError(f"unknown destination {destination!r}; expected one of {DESTINATIONS}")
+    if destination not in ALL_DESTINATIONS:
+        raise ValueError(f"unknown destination {destination!r}; expected one of {ALL_DESTINATIONS}")
     if isinstance(obj, Serialized):
         return obj
     if isinstance(obj, Serialize):

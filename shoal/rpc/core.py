@@ -240,8 +240,12 @@ class Server:
             else:
                 response = error_message(exc)
             try:
-                await comm.write(response)
-            except CommError:
+                try:
+                    await comm.write(response)
+                except SerializationError:
+                    # the error itself cannot travel (a peer that reads no pickle): its words can
+                    await comm.write({**response, "exception": None})
+            except (CommError, SerializationError):
                 return False
         except CommError:
             return False

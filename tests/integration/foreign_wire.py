@@ -656,7 +656,8 @@ def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str) -> 
 
 
 def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = None,
-              shm: bool = False, secret: bytes | None = None, connector: bool = True) -> dict[str, Any]:
+              shm: bool = False, secret: bytes | None = None, connector: bool = True,
+              reads: str | None = None) -> dict[str, Any]:
     """§3, all three steps, as the end that opened the connection (``connector``) or
     accepted it. With ``shm`` we offer a probe and answer whether we could open the
     peer's; without, we offer none and answer false, so every peer treats us as
@@ -680,6 +681,8 @@ def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = No
         }
         if probe is not None:
             step2["shm_probe"] = list(probe)
+        if reads is not None:
+            step2["reads"] = reads  # e.g. "neutral": we decode no pickle
         send_frames(sock, encode(step2), deadline)
         info = _handshake_msg(sock, deadline, stop, "handshake-auth")
         if secret is not None and not hmac.compare_digest(
@@ -699,14 +702,14 @@ class Connection:
     """A connection we open to a worker or the scheduler for requests (§5)."""
 
     def __init__(self, address: str, host_id: str, shm: bool = False, timeout: float = OP_TIMEOUT,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, reads: str | None = None):
         host, port = parse_address(address)
         assert host in ("127.0.0.1", "localhost", "::1"), f"loopback only, got {address}"
         self.timeout = timeout
         deadline = time.monotonic() + timeout
         self.sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
         try:
-            self.handshake = handshake(self.sock, host_id, deadline, shm=shm, secret=secret)
+            self.handshake = handshake(self.sock, host_id, deadline, shm=shm, secret=secret, reads=reads)
         except BaseException:
             self.sock.close()
             raise

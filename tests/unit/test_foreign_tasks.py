@@ -64,7 +64,7 @@ def test_a_neutral_array_reads_back_as_numpy_without_a_copy() -> None:
     assert back.dtype == np.float64 and back.shape == (1 << 16,) and (back == arr).all()
     assert not back.flags.owndata  # a view over the received frame
     for bad in ({"dtype": "<c16", "shape": [1]}, {"dtype": "<f8", "shape": [3]}, {"dtype": "<f8", "shape": "x"}):
-        from shoal.foreign_tasks import _array_loads
+        from shoal.protocol.neutral import _array_loads
 
         with pytest.raises(ValueError):
             _array_loads(bad, [b"\0" * 16])
