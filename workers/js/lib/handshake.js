@@ -1,0 +1,130 @@
+"use strict";
+// The handshake (docs/protocol.md §3) and where the secret comes from (§3.1).
+// This worker has no shared-memory data plane: it offers no probe, answers
+// "can_map": false, and says "reads": "neutral" (it decodes only language-neutral
+// encodings), so that Python peers send it `shoal.value`, `shoal.array`, `bytes`.
+
+const crypto = require("node:crypto");
+const fs = require("node:fs");
+const os = require("node:os");
+const path = require("node:path");
+const { decodeStranger, encodeMessage } = require("./codec");
+const { parseAddress } = require("./conn");
+
+const PROTOCOL = 4;
+const STEP_TIMEOUT = 10_000; // §3: 10 s per read
+
+class HandshakeError extends Error {
+  get name() {
+    return "HandshakeError";
+  }
+}
+
+/** This host's identity as Python processes write it (§3): informational only. */
+function hostIdentity() {
+  let boot = "";
+  try {
+    boot = fs.readFileSync("/proc/sys/kernel/random/boot_id", "utf8").trim();
+  } catch {
+    // no boot id on this system: the part stays empty
+  }
+  return `${os.hostname()}/${boot}`;
+}
+
+/**
+ * The cluster's secret as bytes, or null for none (§3.1): SHOAL_AUTH, then the file
+ * `authFile` or SHOAL_AUTH_FILE, then the auth file of a scheduler on this host.
+ * Throws for an auth file other users may read.
+ */
+function findSecret(schedulerAddress, authFile) {
+  if (process.env.SHOAL_AUTH) return Buffer.from(process.env.SHOAL_AUTH.trim(), "utf8");
+  let file = authFile || process.env.SHOAL_AUTH_FILE;
+  if (!file) {
+    const dir = process.env.SHOAL_AUTH_DIR || path.join(os.homedir(), ".shoal", "auth");
+    file = path.join(dir, `port-${parseAddress(schedulerAddress)[1]}`);
+    if (!fs.existsSync(file)) return null;
+  }
+  const stat = fs.statSync(file);
+  if (stat.mode & 0o077)
+    throw new HandshakeError(
+      `the auth file ${file} may be read by other users (mode ${(stat.mode & 0o777).toString(8)})`,
+    );
+  const secret = fs.readFileSync(file, "utf8").trim();
+  return secret ? Buffer.from(secret, "utf8") : null;
+}
+
+function proofOf(secret, role, nonceC, nonceA) {
+  const bar = Buffer.from("|");
+  return crypto
+    .createHmac("sha256", secret)
+    .update(Buffer.concat([Buffer.from("shoal-auth-1"), bar, Buffer.from(role), bar, nonceC, bar, nonceA]))
+    .digest();
+}
+
+async function step(conn, op) {
+  let msg;
+  try {
+    msg = decodeStranger(await conn.recv(STEP_TIMEOUT));
+  } catch (err) {
+    conn.close();
+    throw new HandshakeError(`handshake with ${conn.label}: ${err.message}`);
+  }
+  if (msg.op === "handshake-refused") {
+    conn.close();
+    throw new HandshakeError(`${conn.label} refused the handshake: ${msg.reason}`);
+  }
+  if (msg.op !== op) {
+    conn.close();
+    throw new HandshakeError(`handshake with ${conn.label}: expected ${op}, got ${String(msg.op).slice(0, 40)}`);
+  }
+  return msg;
+}
+
+function refuse(conn, reason) {
+  try {
+    conn.send(encodeMessage({ op: "handshake-refused", reason, protocol: PROTOCOL }));
+  } finally {
+    conn.close();
+  }
+  throw new HandshakeError(`handshake with ${conn.label} refused: ${reason}`);
+}
+
+/**
+ * All three steps on `conn`, as the end that opened it (`connector`) or accepted it.
+ * Resolves once done (the connection then has ordinary limits); rejects with
+ * HandshakeError, the connection closed.
+ */
+async function handshake(conn, { secret, connector, host }) {
+  const nonce = crypto.randomBytes(32);
+  conn.send(encodeMessage({ op: "handshake", protocol: PROTOCOL, nonce, auth: secret !== null }));
+  const hello = await step(conn, "handshake");
+  if (hello.protocol !== PROTOCOL)
+    refuse(conn, `protocol ${hello.protocol} is not ${PROTOCOL} (this end speaks ${PROTOCOL})`);
+  if (!(hello.nonce instanceof Uint8Array) || hello.nonce.length !== 32) refuse(conn, "the nonce is not 32 bytes");
+  if (Boolean(hello.auth) !== (secret !== null)) {
+    refuse(
+      conn,
+      secret !== null
+        ? "authentication required: this end has the cluster's secret"
+        : "this end has no secret; the peer requires one",
+    );
+  }
+  const theirs = Buffer.from(hello.nonce);
+  const [nonceC, nonceA] = connector ? [nonce, theirs] : [theirs, nonce];
+  const proof = secret !== null ? proofOf(secret, connector ? "connector" : "acceptor", nonceC, nonceA) : null;
+  conn.send(encodeMessage({ op: "handshake-auth", proof, pid: process.pid, host, reads: "neutral" }));
+  const auth = await step(conn, "handshake-auth");
+  if (secret !== null) {
+    const expected = proofOf(secret, connector ? "acceptor" : "connector", nonceC, nonceA);
+    const got = auth.proof instanceof Uint8Array ? Buffer.from(auth.proof) : Buffer.alloc(0);
+    if (got.length !== expected.length || !crypto.timingSafeEqual(got, expected)) {
+      refuse(conn, "authentication failed: wrong proof of the cluster's secret");
+    }
+  }
+  conn.send(encodeMessage({ op: "handshake-shm", can_map: false }));
+  await step(conn, "handshake-shm");
+  conn.trusted();
+  return auth;
+}
+
+module.exports = { HandshakeError, findSecret, handshake, hostIdentity, proofOf };
