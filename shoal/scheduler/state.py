@@ -168,6 +168,8 @@ class SchedulerState(TaskTransitions):
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
         self.queued: list[TaskState] = []  # heap by priority
+        #: language -> queued tasks of it: a worker that runs none of them skips the queue
+        self.queued_languages: dict[str, int] = {}
         #: the known tasks counted by key prefix and state (the dashboard's progress)
         self.groups: dict[str, PrefixGroup] = {}
         #: workers that do not run Python payloads (while there are none, a task's
@@ -617,8 +619,8 @@ class SchedulerState(TaskTransitions):
 
     def _fill(self, ws: WorkerState) -> None:
         """Give queued tasks to ``ws`` while it has room."""
-        if not self.queued:
-            return
+        if not self.queued or self.queued_languages.keys().isdisjoint(ws.languages):
+            return  # (a worker of another language beside a queue of Python tasks, or the reverse)
         skipped: list[TaskState] = []
         while self.queued and self._capacity(ws) > 0:
             ts = heapq.heappop(self.queued)
@@ -626,6 +628,7 @@ class SchedulerState(TaskTransitions):
                     ts.loose_restrictions and self._may_run_loosely(ts, ws)):
                 skipped.append(ts)
                 continue
+            self._uncount_queued(ts)
             self._recommend(self._transition(ts, "processing", ws))
         for ts in skipped:
             heapq.heappush(self.queued, ts)

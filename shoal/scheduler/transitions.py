@@ -27,6 +27,8 @@ class TaskTransitions:
     tasks: dict[Any, TaskState]
     workers: dict[str, WorkerState]
     queued: list[TaskState]
+    #: language -> how many of the queued tasks are of it
+    queued_languages: dict[str, int]
     groups: dict[str, PrefixGroup]
     done_total: int
     log: StateLog
@@ -129,7 +131,7 @@ class TaskTransitions:
         ws = self._decide_worker(ts)
         if ws is None:
             self._set_state(ts, "queued")
-            heapq.heappush(self.queued, ts)
+            self._enqueue(ts)
             return {}
         self._send_to(ts, ws)
         return {}
@@ -302,9 +304,23 @@ class TaskTransitions:
         if tell:
             self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
 
+    def _enqueue(self, ts: TaskState) -> None:
+        heapq.heappush(self.queued, ts)
+        counts = self.queued_languages
+        counts[ts.language] = counts.get(ts.language, 0) + 1
+
     def _dequeue(self, ts: TaskState) -> None:
         self.queued.remove(ts)
         heapq.heapify(self.queued)
+        self._uncount_queued(ts)
+
+    def _uncount_queued(self, ts: TaskState) -> None:
+        counts = self.queued_languages
+        n = counts[ts.language] - 1
+        if n:
+            counts[ts.language] = n
+        else:
+            del counts[ts.language]
 
     def _report_error(self, ts: TaskState, only: str | None = None) -> None:
         blame = ts.exception_blame or ts

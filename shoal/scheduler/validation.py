@@ -16,6 +16,10 @@ def validate_state(state: SchedulerState) -> None:
     """Check every invariant; raise ``AssertionError`` on the first broken one."""
     _validate_groups(state)
     assert state.non_python_workers == sum("python" not in ws.languages for ws in state.workers.values())
+    counts: dict[str, int] = {}
+    for ts in state.queued:
+        counts[ts.language] = counts.get(ts.language, 0) + 1
+    assert state.queued_languages == counts, (state.queued_languages, counts)
     for key, ts in state.tasks.items():
         assert ts.key == key
         assert ts.state in STATES, ts
