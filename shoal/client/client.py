@@ -666,7 +666,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         else:
             items = [(key_of(data), data)]
         info = await self._scheduler_rpc().scheduler_info()
-        targets = sorted(info["workers"])
+        targets = serving(info, "update-data")
         allowed = worker_restrictions(workers)
         if allowed is not None:
             unknown = [w for w in allowed if w not in info["workers"]]
@@ -674,7 +674,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
                 raise ValueError(f"no such worker(s) in this cluster: {unknown}")
             targets = [w for w in targets if w in allowed]
         if not targets:
-            raise RuntimeError("the cluster has no workers to scatter to")
+            raise RuntimeError("the cluster has no workers to scatter to" + (
+                "" if not info["workers"] else " (none of them serves update-data)"))
         placement: dict[str, dict[Any, Any]] = {}
         who_has: dict[Any, list[str]] = {}
         shared: list[Any] = []
@@ -746,7 +747,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
 
     async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], workers: Any) -> dict[str, Any]:
         info = await self._scheduler_rpc().scheduler_info()
-        targets = worker_restrictions(workers) or sorted(info["workers"])
+        targets = worker_restrictions(workers) or serving(info, "run")
         assert self._pool is not None
         results = await asyncio.gather(*(
             PooledRPC(self._pool, w).run(function=to_serialize(fn), args=to_serialize(args), kwargs=to_serialize(kwargs))
@@ -762,7 +763,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
     async def _transfer_stats(self) -> dict[str, dict[str, int]]:
         info = await self._scheduler_rpc().scheduler_info()
         assert self._pool is not None
-        workers = sorted(info["workers"])
+        workers = serving(info, "transfer-stats")
         stats = await asyncio.gather(*(PooledRPC(self._pool, w).transfer_stats() for w in workers))
         return dict(zip(workers, stats))
 
@@ -785,3 +786,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
     async def _counters(self) -> dict[str, Any]:
         return await self._scheduler_rpc().counters()
 
+
+def serving(info: dict[str, Any], op: str) -> list[str]:
+    """The workers of ``scheduler_info()`` that serve the optional ``op`` (those that
+    declared no ``ops`` serve them all), sorted: a worker in another language may not."""
+    return sorted(a for a, w in info["workers"].items() if "ops" not in w or op in w["ops"])

@@ -98,7 +98,9 @@ class RegisterWorkerMsg(Msg, tag="register-worker"):
     nanny: str = ""
     #: the payload languages it runs (§4.6): tasks of other languages never go there
     languages: list[str] = msgspec.field(default_factory=lambda: ["python"])
-    optional: ClassVar[tuple[str, ...]] = ("resources", "nanny")
+    #: the optional ops of §8.2 it serves (None: all of them, as a Python worker)
+    ops: list[str] | None = None
+    optional: ClassVar[tuple[str, ...]] = ("resources", "nanny", "ops")
 
 
 class TaskFinishedMsg(Msg, tag="task-finished"):
@@ -629,6 +631,9 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
                 problem = language_problem(language)
                 if problem is not None:
                     raise ProtocolError(f"{where}malformed {op!r}: field 'languages': {problem}")
+            ops = out.ops  # type: ignore[attr-defined]
+            if ops is not None and (len(ops) > 64 or not all(1 <= len(o) <= 64 for o in ops)):
+                raise ProtocolError(f"{where}malformed {op!r}: field 'ops': at most 64 op names of 1 to 64 characters")
     if typ.segment_fields:
         _check_segments(out, where, str(op))
     return out

@@ -68,6 +68,8 @@ class WorkerState:
     ip: str = ""
     #: the address of the nanny that runs its process ("": none; see ``restart-workers``)
     nanny: str = ""
+    #: the optional ops (protocol §8.2) it serves; None: all of them (a Python worker)
+    ops: frozenset[str] | None = None
     #: the payload languages it runs
     languages: frozenset[str] = frozenset({"python"})
     #: its memory passed its pause threshold: no task is placed there until it goes on

@@ -248,7 +248,7 @@ class Scheduler:
                              "languages": sorted(ws.languages),
                              "status": "paused" if ws.paused else "running",
                              "memory": _memory_figures(ws.memory), "memory_limit": ws.memory.get("limit", 0),
-                             "nanny": ws.nanny}
+                             "nanny": ws.nanny, **({} if ws.ops is None else {"ops": sorted(ws.ops)})}
                 for ws in (workers if n_workers < 0 else workers[:n_workers])
             },
         }
@@ -301,7 +301,8 @@ class Scheduler:
 
     async def add_worker(self, comm: Comm, address: str, nthreads: int, host: str = "",
                          pid: int = 0, name: str = "", resources: dict[str, float] | None = None,
-                         nanny: str = "", languages: list[str] | None = None, **_: Any) -> None:
+                         nanny: str = "", languages: list[str] | None = None, ops: list[str] | None = None,
+                         **_: Any) -> None:
         if address in self.worker_streams:
             await _reply_error(comm, f"a worker at {address} is already registered")
             return
@@ -314,13 +315,14 @@ class Scheduler:
         self.worker_streams[address] = stream
         self.worker_comms[address] = comm
         self.worker_plugins.send_all(stream)  # set up before any task arrives there
-        if self.ops.uploads:
+        if self.ops.uploads and (ops is None or "upload-file" in ops):
             await self.ops.worker_joins(address)  # files its tasks may import, before any task
         self._apply(AddWorkerEvent(self._stimulus("add-worker"), address, nthreads, host, pid, name,
                                    resources=dict(resources or {}), languages=tuple(languages or ("python",)),
                                    now=time.monotonic()))
         if address in self.state.workers:
             self.state.workers[address].nanny = nanny  # (restart-workers asks it)
+            self.state.workers[address].ops = None if ops is None else frozenset(ops)
         logger.info("worker %s joined (%d threads)", address, nthreads)
         self._notify_workers_changed()
         clean = False

@@ -107,6 +107,7 @@ class ForeignWorker:
         send_frames(sock, encode({
             "op": "register-worker", "address": self.address, "nthreads": 1,
             "host": self.host_id, "pid": os.getpid(), "name": self.name,
+            "ops": ["update-data", "identity"],  # of the optional ops (§7.1, §8.2), those served below
         }), deadline)
         reply = decode(recv_frames(sock, deadline))
         if not isinstance(reply, dict) or reply.get("status") != "OK":

@@ -395,17 +395,27 @@ class ScriptedPeer:
         self.secret, self.values, self.refuse = secret, values, refuse
         self.requests: list[list[Any]] = []
         self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)  # (accept looks at the stop flag this often)
         self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        try:
-            while True:
+        while not self._stop.is_set():
+            try:
                 conn, _ = self.listener.accept()
-                threading.Thread(target=self._requests, args=(conn,), daemon=True).start()
-        except OSError:
-            return  # closed
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            conn.settimeout(None)
+            self._conns.append(conn)
+            t = threading.Thread(target=self._requests, args=(conn,), daemon=True)
+            self._threads.append(t)
+            t.start()
 
     def _requests(self, conn: socket.socket) -> None:
         with conn:
@@ -428,7 +438,19 @@ class ScriptedPeer:
                 return
 
     def close(self) -> None:
+        """Stop serving; every thread and socket of ours is gone when this returns."""
+        self._stop.set()
+        self.thread.join(10)
         self.listener.close()
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+            except OSError:
+                pass
+            conn.close()
+        for t in self._threads:
+            t.join(10)
+        assert not self.thread.is_alive() and not any(t.is_alive() for t in self._threads)
 
 
 def _call(function: str, args: list[Any], module: str = "stats") -> OOB:

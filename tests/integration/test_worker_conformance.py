@@ -279,3 +279,16 @@ def test_it_leaves_when_its_scheduler_closes(impl: Impl) -> None:
         wait_for(lambda: impl.exited(running.handle), timeout=30, what=f"the {impl.name} worker to leave")
     finally:
         _stop(impl, running.cluster, running.client, running.handle)
+
+
+def test_scatter_and_run_go_only_to_workers_that_serve_them(w: Running) -> None:
+    served = w.client.scheduler_info()["workers"][w.address].get("ops")
+    if served is None:  # it serves every optional op (shoal's own worker)
+        served = ["run", "update-data"]
+    ran = set(w.client.run(os.getpid))
+    assert ran == ({w.peer, w.address} if "run" in served else {w.peer})
+    places = set()
+    for _ in range(4):  # round robin reaches every worker that serves update-data
+        (f,) = w.client.scatter([np.arange(3)], hash=False)
+        places.update(w.client.who_has([f])[f.key])
+    assert places == ({w.peer, w.address} if "update-data" in served else {w.peer})

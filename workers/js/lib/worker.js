@@ -76,6 +76,9 @@ class JsWorker {
         pid: process.pid,
         name: this.name || this.address,
         languages: ["js"],
+        // of the optional ops (§8.2), the ones served here: clients then scatter,
+        // run and ask transfer-stats only of the workers that serve them
+        ops: ["identity"],
       }),
     );
     const reply = decodeMessage(await stream.recv(CONNECT_TIMEOUT));
