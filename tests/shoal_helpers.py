@@ -19,10 +19,12 @@ import contextlib
 import logging
 import math
 import os
+import selectors
 import socket
 import struct
 import subprocess
 import sys
+import time
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -391,3 +393,24 @@ def make(n_bytes: int) -> Any:
 
 def array_sum(a: Any) -> float:
     return float(a.sum())
+
+
+def read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
+    """The first line child process ``proc`` prints on its stdout (a pipe), waiting no
+    longer than ``deadline`` (``time.monotonic()``): its banner, e.g. its address."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while b"\n" not in buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no line from {proc.args} (got {buf!r})")
+            if not sel.select(remaining):
+                continue
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"{proc.args} exited with {proc.wait()} before printing its address")
+            buf += chunk
+    return buf.split(b"\n", 1)[0].decode()

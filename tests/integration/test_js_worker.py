@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import selectors
 import shutil
 import signal
 import socket
@@ -44,7 +43,7 @@ from foreign_wire import (
     recv_frames,
     send_frames,
 )
-from shoal_helpers import auth_files, start_scheduler, start_worker, stop_processes
+from shoal_helpers import auth_files, read_line, start_scheduler, start_worker, stop_processes
 
 import shoal
 from shoal.testing import wait_for
@@ -58,26 +57,6 @@ JS_MODULES = os.path.join(HERE, "js_modules")
 
 def js(function: str, module: str = "stats") -> Any:
     return shoal.foreign("js", module, function)
-
-
-def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
-    """The first line ``proc`` prints, waiting no longer than ``deadline``."""
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    buf = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while b"\n" not in buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no line from {proc.args} (got {buf!r})")
-            if not sel.select(remaining):
-                continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"{proc.args} exited with {proc.wait()} before printing its address")
-            buf += chunk
-    return buf.split(b"\n", 1)[0].decode()
 
 
 class Cluster:
@@ -111,7 +90,7 @@ class Cluster:
                                  "--name", name, "--listen-host", "127.0.0.1"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
         self.procs.append(proc)
-        line = _read_line(proc, time.monotonic() + 30)
+        line = read_line(proc, time.monotonic() + 30)
         assert line.startswith("shoal js worker at tcp://127.0.0.1:"), (line, self.log_of(log_path))
         address = line.split()[-1]
         self.js[address] = proc

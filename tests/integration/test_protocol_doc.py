@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import selectors
 import subprocess
 import sys
 import time
@@ -64,6 +63,7 @@ from foreign_worker import (
 # The foreign worker (docs/protocol.md only; no shoal imports in this part)
 # =====================================================================================
 import shoal
+from shoal_helpers import read_line
 
 
 class _Procs:
@@ -77,7 +77,7 @@ class _Procs:
         proc = subprocess.Popen([sys.executable, "-m", "shoal", *args], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=log)
         self.procs.append((proc, log))
-        line = _read_line(proc, time.monotonic() + timeout)
+        line = read_line(proc, time.monotonic() + timeout)
         assert line.startswith(banner), f"{args[0]} printed {line!r}; log: {self.log_of(proc)}"
         return proc, line.split()[-1]
 
@@ -102,25 +102,6 @@ class _Procs:
             if proc.stdout is not None:
                 proc.stdout.close()
             log.close()
-
-
-def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    buf = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while b"\n" not in buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no line from {proc.args} (got {buf!r})")
-            if not sel.select(remaining):
-                continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"{proc.args} exited with {proc.wait()} before printing its address")
-            buf += chunk
-    return buf.split(b"\n", 1)[0].decode()
 
 
 @pytest.fixture
