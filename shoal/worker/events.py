@@ -23,6 +23,7 @@ __all__ = [
     "RejoinEvent",
     "PauseEvent",
     "UnpauseEvent",
+    "MemoryTightEvent",
     "Instruction",
     "Execute",
     "Rejoin",
@@ -170,6 +171,15 @@ class PauseEvent(Event):
 @dataclass
 class UnpauseEvent(Event):
     """The worker's memory fell below its pause threshold: work goes on."""
+
+
+@dataclass
+class MemoryTightEvent(Event):
+    """The worker's memory passed its target (``tight``), or fell below it again: while
+    it is tight no task is handed to the thread pool ahead of a free thread (a task
+    started ahead makes its result while the last one is still being spilled)."""
+
+    tight: bool = True
 
 
 def _dropped(value: Any) -> Any:

@@ -11,6 +11,9 @@ process's resident memory (psutil) and
 
 - past *spill*, evicts values, least recently used first, until what the process
   holds would be below the *target* (or nothing more can go);
+- past the *target*, the worker hands no task to its thread pool ahead of a free
+  thread (a task started ahead makes its result while the last is still being
+  spilled: one value more in memory), until it is below again;
 - past *pause*, or when a spill found the disk full, pauses the worker: the state
   machine starts no task and no fetch, the thread pool starts nothing it holds, and the
   scheduler hears it at once (it places work elsewhere); below *pause* again, the worker
@@ -147,7 +150,7 @@ class MemoryMonitor:
     module). ``pause(bool)`` is called when the worker must pause or may go on."""
 
     def __init__(self, store: Any, thresholds: Thresholds, own_process: bool, pause: Any,
-                 give_back: Any = None, pooled: Any = None):
+                 give_back: Any = None, pooled: Any = None, tight: Any = None):
         self.store = store
         #: gives back memory held for reuse (the pool of retired segments) before
         #: anything is spilled: that is the cheapest memory to free
@@ -158,6 +161,9 @@ class MemoryMonitor:
         self.own_process = own_process
         self._pause = pause
         self.paused = False
+        #: ``tight(bool)``: called when the process passes its target or falls below
+        self._tight = tight
+        self.tight = False
         self._warned_spill = False
         #: what the process held besides the store's values at the last look
         self.unmanaged = 0
@@ -206,6 +212,10 @@ class MemoryMonitor:
                 trim_heap()  # nothing (more) to spill: what the allocator holds free
                 used = self.used()
         self.unmanaged = max(0, used - int(self.store.managed) - int(self.store.shm_owned))
+        tight = t.target is not None and used > t.target
+        if tight != self.tight and self._tight is not None:
+            self.tight = tight
+            self._tight(tight)
         over = t.pause is not None and used > t.pause
         disk_full = bool(getattr(self.store, "disk_full", False))
         if (over or disk_full) and not self.paused:

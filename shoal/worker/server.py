@@ -78,6 +78,7 @@ from .state import (
     GatherDepSuccessEvent,
     Instruction,
     Rejoin,
+    MemoryTightEvent,
     PauseEvent,
     SendMsg,
     UnpauseEvent,
@@ -265,7 +266,8 @@ class Worker:
         store = WorkerStore(target=thresholds.target, directory=os.path.join(self.work_dir, "spill"))
         self.monitor = MemoryMonitor(store, thresholds, own_process, self._set_paused,
                                      give_back=self._give_back_pool if own_process else None,
-                                     pooled=_pooled_bytes if own_process else None)
+                                     pooled=_pooled_bytes if own_process else None,
+                                     tight=self._set_tight)
         return store
 
     def _give_back_pool(self) -> None:
@@ -290,6 +292,9 @@ class Worker:
             self.threads.release()
         self.handle_stimulus((PauseEvent if paused else UnpauseEvent)(self._stimulus("pause" if paused else "unpause")))
         self._report_memory()
+
+    def _set_tight(self, tight: bool) -> None:
+        self.handle_stimulus(MemoryTightEvent(self._stimulus("memory-tight"), tight))
 
     @property
     def paused(self) -> bool:

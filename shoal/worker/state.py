@@ -63,7 +63,10 @@ pool. Such tasks start in their order of priority; tasks that need none pass the
 A worker whose memory passed its pause threshold gets a ``PauseEvent``: from then on
 no task is handed to the thread pool and no fetch begins (a seceded task may still
 rejoin: it runs already), until an ``UnpauseEvent``. Tasks handed to the pool ahead wait
-there too (the server holds the pool).
+there too (the server holds the pool). While its memory is past its target
+(``MemoryTightEvent``), no task is handed ahead: the next starts once a thread is free
+and the last result is stored (and spilled), so that two results are not in memory at
+once beside the values the target allows.
 
 A running task may leave the thread pool (``secede()``, e.g. to wait for tasks it
 submitted): it gives up its slot (not its resources), so another task runs in its
@@ -100,6 +103,7 @@ from .events import (
     GatherDepSuccessEvent,
     Instruction,
     Rejoin,
+    MemoryTightEvent,
     PauseEvent,
     RejoinEvent,
     SecedeEvent,
@@ -183,10 +187,13 @@ class WorkerState:
             SecedeEvent: self._secede,
             RejoinEvent: self._rejoin,
             PauseEvent: self._pause,
+            MemoryTightEvent: self._memory_tight,
             UnpauseEvent: self._unpause,
         }
         #: over the memory pause threshold: no task starts, no fetch begins
         self.paused = False
+        #: memory past the target: no task is handed to the pool ahead
+        self.tight = False
 
     def handle(self, *events: Event) -> list[Instruction]:
         """Apply events in order; return the instructions they produce. Raises only on
@@ -575,7 +582,8 @@ class WorkerState:
             self._out.append(Rejoin(self._stimulus, back.key))
         if self.rejoining or self.paused:
             return
-        while len(self.executing) < self.slots:
+        limit = self.open_slots
+        while len(self.executing) < limit:
             ts = self._next_ready()
             if ts is None:
                 break
@@ -584,7 +592,7 @@ class WorkerState:
             self._set_state(ts, "executing")
             self.executing.add(ts)
             self._out.append(Execute(self._stimulus, ts.key))
-        if self.slots > self.nthreads:
+        if limit > self.nthreads:
             self._overtake()
 
     def _overtake(self) -> None:
@@ -670,6 +678,15 @@ class WorkerState:
 
     def _unpause(self, ev: UnpauseEvent) -> None:
         self.paused = False
+
+    def _memory_tight(self, ev: MemoryTightEvent) -> None:
+        self.tight = ev.tight
+
+    @property
+    def open_slots(self) -> int:
+        """The tasks that may hold a slot now: one per thread, and ``queued`` more
+        unless memory is tight."""
+        return self.nthreads if self.tight else self.slots
 
     def _ensure_communicating(self) -> None:
         if not self.fetching or self.paused:

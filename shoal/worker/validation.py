@@ -77,9 +77,10 @@ def _validate_threads(state: WorkerState) -> None:
     idle while a task could take it."""
     # beyond ``slots`` only tasks that overtook ones handed to the pool ahead: no
     # ready task is more urgent than every one handed to the pool
+    slots = state.open_slots
     if state.slots == state.nthreads:
         assert len(state.executing) <= state.slots
-    elif len(state.executing) > state.slots:
+    elif len(state.executing) > slots and not state.tight:  # (tight: those handed ahead before)
         live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts]
         assert not live or not min(live) < max(state.executing), "a ready task should overtake"
     assert not state.executing & state.seceded
@@ -96,11 +97,11 @@ def _validate_threads(state: WorkerState) -> None:
         return  # nothing starts while paused
     live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
     if live:
-        assert len(state.executing) >= state.slots, "a thread is idle while tasks are ready"
+        assert len(state.executing) >= slots, "a thread is idle while tasks are ready"
     first = min((ts for ts in state.constrained if ts.state == "ready" and state.tasks.get(ts.key) is ts),
                 default=None)
     if first is not None and state.fits(first):
-        assert len(state.executing) >= state.slots, f"{first} could run now"
+        assert len(state.executing) >= slots, f"{first} could run now"
 
 
 def _validate_resources(state: WorkerState) -> None:

@@ -9,7 +9,7 @@ import pytest
 from scheduler_harness import Sched, computes, task
 from shoal.scheduler.state import WorkerMemoryEvent
 from shoal.worker import memory
-from shoal.worker.state import PauseEvent, UnpauseEvent
+from shoal.worker.state import MemoryTightEvent, PauseEvent, UnpauseEvent
 from worker_harness import Wk, executes, gathers, rejoins
 
 
@@ -21,6 +21,28 @@ def test_a_paused_worker_starts_no_task_until_it_goes_on() -> None:
     assert executes(w.success("a")) == []  # a thread is free: still nothing starts
     assert w.states() == {"a": "memory", "b": "ready"}
     assert executes(w(UnpauseEvent(w.sid()))) == ["b"]
+
+
+def test_while_memory_is_tight_no_task_is_handed_ahead() -> None:
+    w = Wk(nthreads=1, queued=1)
+    out = w(w.compute_event("a"), w.compute_event("b"), w.compute_event("c"), w.compute_event("d"))
+    assert executes(out) == ["a", "b"]  # b waits in the pool, ahead
+    w(MemoryTightEvent(w.sid(), True))
+    # a's result is stored (and spilled) before another task is handed over: b runs,
+    # nothing waits behind it
+    assert executes(w.success("a")) == []
+    assert executes(w.success("b")) == ["c"]
+    assert executes(w(MemoryTightEvent(w.sid(), False))) == ["d"]  # ahead again
+    w.success("c")
+    assert w.states() == {"a": "memory", "b": "memory", "c": "memory", "d": "executing"}
+
+
+def test_memory_tight_from_the_start_hands_one_task_per_thread() -> None:
+    w = Wk(nthreads=2, queued=2)
+    w(MemoryTightEvent(w.sid(), True))
+    out = w(*[w.compute_event(k) for k in "abcde"])
+    assert executes(out) == ["a", "b"]
+    assert executes(w(MemoryTightEvent(w.sid(), False))) == ["c", "d"]
 
 
 def test_a_paused_worker_begins_no_fetch() -> None:

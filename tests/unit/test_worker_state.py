@@ -25,6 +25,7 @@ from shoal.worker.state import (
     GatherDep,
     GatherDepFailureEvent,
     GatherDepSuccessEvent,
+    MemoryTightEvent,
     Rejoin,
     RejoinEvent,
     SecedeEvent,
@@ -696,6 +697,10 @@ class WorkerMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.seceded - self.rejoining)))
         self.rejoining.add(key)
         self.apply(RejoinEvent(self.h.sid(), key))
+
+    @rule(tight=st.booleans())
+    def memory_tight(self, tight: bool) -> None:
+        self.apply(MemoryTightEvent(self.h.sid(), tight))
 
     @precondition(lambda self: self.threads - self.rejoining)
     @rule(data=st.data(), ok=st.booleans(), nbytes=st.integers(1, 30))
