@@ -31,7 +31,6 @@ from typing import Any
 
 import msgpack
 
-from .errors import SerializationError
 from .protocol.neutral import (
     ARRAY_DTYPES,
     EXT_ARRAY,
@@ -117,8 +116,6 @@ class ForeignCall:
         an argument no other language can read."""
         if self._frames is None:
             buffers: list[Any] = []
-            if any(type(k) is not str for k in self.kwargs):
-                raise SerializationError(f"{_WHAT}: keyword names must be str")
             packed = msgpack.packb([to_neutral(list(self.args), buffers, _ref_ext, _WHAT),
                                     to_neutral(self.kwargs, buffers, _ref_ext, _WHAT)], use_bin_type=True)
             header = {"language": self.fn.language, "module": self.fn.module, "function": self.fn.function}
