@@ -11,9 +11,13 @@ process's resident memory (psutil) and
 
 - past *spill*, evicts values, least recently used first, until what the process
   holds would be below the *target* (or nothing more can go);
-- past the *target*, the worker hands no task to its thread pool ahead of a free
-  thread (a task started ahead makes its result while the last is still being
-  spilled: one value more in memory), until it is below again;
+- when one more result of the size of the last would pass the *target*, the worker
+  hands no task to its thread pool ahead of a free thread (a task started ahead makes
+  its result while the last is still being spilled: one value more in memory), until
+  it would fit again. This is decided where a result arrives too
+  (:meth:`MemoryMonitor.result_arrives`), before the state machine hands out the next
+  task: a look every interval comes too late for the first result that fills the
+  target;
 - past *pause*, or when a spill found the disk full, pauses the worker: the state
   machine starts no task and no fetch, the thread pool starts nothing it holds, and the
   scheduler hears it at once (it places work elsewhere); below *pause* again, the worker
@@ -164,6 +168,8 @@ class MemoryMonitor:
         #: ``tight(bool)``: called when the process passes its target or falls below
         self._tight = tight
         self.tight = False
+        #: the size of the last result: what the next one is expected to add
+        self.expected = 0
         self._warned_spill = False
         #: what the process held besides the store's values at the last look
         self.unmanaged = 0
@@ -176,6 +182,20 @@ class MemoryMonitor:
         target = self.thresholds.target
         store = self.store
         return target is None or int(store.managed) + int(store.shm_owned) + self.unmanaged + nbytes <= target
+
+    def result_arrives(self, nbytes: int) -> None:
+        """A task's result of ``nbytes`` is about to be stored (on the worker's loop,
+        before the state machine hears of it): memory turns tight here if the store,
+        with this result and one more of its size, would pass the target. Only
+        turns tight: falling below again is the periodic look's to tell."""
+        self.expected = nbytes
+        target = self.thresholds.target
+        if target is None or self.tight or self._tight is None:
+            return
+        store = self.store
+        if int(store.managed) + int(store.shm_owned) + self.unmanaged + 2 * nbytes > target:
+            self.tight = True
+            self._tight(True)
 
     def used(self) -> int:
         """What this worker's process holds, by the rule of the module."""
@@ -212,7 +232,7 @@ class MemoryMonitor:
                 trim_heap()  # nothing (more) to spill: what the allocator holds free
                 used = self.used()
         self.unmanaged = max(0, used - int(self.store.managed) - int(self.store.shm_owned))
-        tight = t.target is not None and used > t.target
+        tight = t.target is not None and used + self.expected > t.target
         if tight != self.tight and self._tight is not None:
             self.tight = tight
             self._tight(tight)

@@ -652,6 +652,8 @@ class Worker:
             return None
 
     def _apply_result(self, event: Any, segment: Any) -> None:
+        if self.monitor is not None and isinstance(event, ExecuteSuccessEvent):
+            self.monitor.result_arrives(event.nbytes)
         if segment is not None:
             self.store.expect(event.key, segment)
         try:

@@ -533,6 +533,48 @@ def test_whether_a_new_value_fits_counts_the_store_and_the_rest_of_the_process(s
     assert unlimited.fits(limit)
 
 
+def test_memory_turns_tight_where_a_result_arrives_that_one_more_would_pass_the_target(tmp_path) -> None:
+    """A worker hands no task ahead of a free thread once another result of the size of
+    the last would pass its target: decided where that result arrives (before the state
+    machine hands out the next task), and lifted by the periodic look only when one
+    more would fit again."""
+    from shoal.worker.memory import Thresholds
+    from shoal.worker.monitor import MemoryMonitor
+    from shoal.worker.store import WorkerStore
+
+    target = 10 * MB
+    store = WorkerStore(target=target, directory=str(tmp_path / "spill"))
+    told: list[bool] = []
+    # a worker sharing its process goes by the store's figures: exact
+    monitor = MemoryMonitor(store, Thresholds(2 * target, target, None, None, None), own_process=False,
+                            pause=lambda paused: None, tight=told.append)
+    monitor.result_arrives(3 * MB)  # store empty: this one and one more fit
+    assert told == [] and not monitor.tight
+    store["a"] = np.ones(3 * MB, dtype="u1")
+    monitor.result_arrives(3 * MB)  # 3 held + this 3 + one more 3 = 9: fits
+    assert told == []
+    store["b"] = np.ones(3 * MB, dtype="u1")
+    monitor.result_arrives(3 * MB)  # 6 + 3 + 3 = 12 > 10: tight before it is stored
+    assert told == [True] and monitor.tight
+    monitor.result_arrives(3 * MB)  # already tight: said once
+    assert told == [True]
+    store["c"] = np.ones(3 * MB, dtype="u1")
+    monitor.check()  # 9 held, the next 3 would pass: still tight
+    assert told == [True]
+    del store["b"], store["c"]
+    monitor.check()  # 3 held + 3 expected: room again
+    assert told == [True, False] and not monitor.tight
+    monitor.result_arrives(64)  # small results: nothing changes
+    monitor.check()
+    assert told == [True, False]
+
+    untargeted = MemoryMonitor(store, Thresholds(2 * target, None, None, None, None), own_process=False,
+                               pause=lambda paused: None, tight=told.append)
+    untargeted.result_arrives(1 << 40)
+    assert told == [True, False]
+    store.clear()
+
+
 _HEAP_SCRIPT = """
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
