@@ -1,0 +1,246 @@
+"""Test hosts on one machine: network namespaces with their own address and their
+own /dev/shm, for tests and benchmarks of what crosses hosts.
+
+Theory of operation
+-------------------
+:class:`TestHosts` (a context manager; needs root and iproute2) builds a switch and N
+hosts:
+
+- the switch is a network namespace of its own holding a bridge; nothing is added to
+  the machine's own namespace, and nothing leaves the machine;
+- each host is a network namespace joined to the bridge by a veth pair, with one
+  address of 198.18.0.0/15 (the block reserved for benchmarking networks, RFC 2544):
+  host ``i`` of the run ``k`` is ``198.18.k.(i+1)``;
+- each host's shared memory is a tmpfs of its own. A process of a host runs in the
+  host's network namespace and in a private mount namespace in which that tmpfs is
+  mounted on /dev/shm (:meth:`Host.popen`), so processes of one host share segments and
+  the handshake's shared-memory probe tells "same host" only between them.
+
+Faults are made with nftables in a host's namespace (:meth:`Host.partition`,
+:meth:`Host.lose`): a partition drops every packet to and from the host's link, loss
+drops a random share of them. Leaving the block (and on any failure while building)
+kills the processes started through the hosts, deletes the namespaces and unmounts
+the tmpfs mounts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Host", "TestHosts", "available"]
+
+_RUN = itertools.count()
+_NFT_TABLE = "shoal_faults"
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+
+def available() -> str | None:
+    """None if test hosts can be built here; otherwise why not (not root, no iproute2
+    or util-linux, namespaces refused)."""
+    if os.geteuid() != 0:
+        return "test hosts need root (network namespaces and tmpfs mounts)"
+    for tool in ("ip", "unshare", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"test hosts need {tool!r} (iproute2, util-linux)"
+    return None
+
+
+class Host:
+    """One test host: ``name``, ``netns`` (its network namespace), ``ip`` (its address),
+    ``shm_dir`` (the tmpfs that its processes see as /dev/shm)."""
+
+    def __init__(self, hosts: TestHosts, index: int, netns: str, ip: str, link: str, shm_dir: str):
+        self._hosts = hosts
+        self.index = index
+        self.name = f"host{index}"
+        self.netns = netns
+        self.ip = ip
+        self.link = link
+        self.shm_dir = shm_dir
+        self._faults: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"<Host {self.name} {self.ip}>"
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run on this host: in its network namespace, with its /dev/shm."""
+        return ["ip", "netns", "exec", self.netns, "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', self.shm_dir, *argv]
+
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` on this host (``subprocess.Popen`` keywords pass through); the
+        process is stopped when the hosts are torn down, if it still runs."""
+        kwargs.setdefault("start_new_session", True)
+        p = subprocess.Popen(self.command(argv), **kwargs)
+        self._hosts.processes.append(p)
+        return p
+
+    def run(self, argv: Sequence[str], timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        """Run ``argv`` on this host to its end (``subprocess.run``)."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(self.command(argv), timeout=timeout, **kwargs)
+
+    def shm_files(self) -> list[str]:
+        """The names in this host's /dev/shm now."""
+        return sorted(os.listdir(self.shm_dir))
+
+    # -- faults of this host's link
+
+    def partition(self) -> None:
+        """Drop every packet to and from this host's link (its peers see silence, not
+        refusals), until :meth:`heal`."""
+        self._set_fault("partition", f'iifname "{self.link}" drop\n    oifname "{self.link}" drop')
+
+    def lose(self, percent: float) -> None:
+        """Drop about ``percent`` % of the packets to and from this host's link (whole
+        percents), until :meth:`heal`."""
+        share = int(round(percent))
+        if not 0 < share <= 100:
+            raise ValueError(f"loss must be 1-100 percent, not {percent!r}")
+        self._set_fault("loss", f'iifname "{self.link}" numgen random mod 100 < {share} drop\n'
+                                f'    oifname "{self.link}" numgen random mod 100 < {share} drop')
+
+    def heal(self) -> None:
+        """Remove this host's faults."""
+        self._faults.clear()
+        self._apply_faults()
+
+    def _set_fault(self, kind: str, rules: str) -> None:
+        self._faults[kind] = rules
+        self._apply_faults()
+
+    def _apply_faults(self) -> None:
+        if shutil.which("nft") is None:
+            raise OSError("faults between test hosts need nft (Debian's nftables)")
+        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "delete", "table", "inet", _NFT_TABLE],
+                       capture_output=True, timeout=30)
+        if not self._faults:
+            return
+        body = "\n    ".join(self._faults.values())
+        script = (f"table inet {_NFT_TABLE} {{\n"
+                  f"  chain input {{ type filter hook input priority 0; policy accept;\n    {body}\n  }}\n"
+                  f"  chain output {{ type filter hook output priority 0; policy accept;\n    {body}\n  }}\n"
+                  "}\n")
+        done = subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=script,
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise OSError(f"nft on {self.name}: {done.stderr.strip()}")
+
+
+class TestHosts:
+    """``n`` test hosts (see the module); ``shm_size``: each host's /dev/shm (a tmpfs
+    size, as ``mount -o size=``)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, n: int, shm_size: str = "1g"):
+        if n < 1:
+            raise ValueError("at least one test host")
+        if n > 250:
+            raise ValueError("at most 250 test hosts")
+        self.n = n
+        self.shm_size = shm_size
+        run = next(_RUN)
+        self.tag = f"shoal{os.getpid() % 100000}x{run}"
+        self.subnet = f"198.18.{(os.getpid() + run) % 256}"
+        self.switch = f"{self.tag}-sw"
+        self.hosts: list[Host] = []
+        self.processes: list[subprocess.Popen[Any]] = []
+        self._namespaces: list[str] = []
+        self._mounts: list[str] = []
+        self._base: str | None = None
+
+    def __enter__(self) -> TestHosts:
+        why = available()
+        if why is not None:
+            raise OSError(why)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def __iter__(self) -> Any:
+        return iter(self.hosts)
+
+    def _build(self) -> None:
+        self._base = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        _ip("netns", "add", self.switch)
+        self._namespaces.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i in range(self.n):
+            netns = f"{self.tag}-h{i}"
+            _ip("netns", "add", netns)
+            self._namespaces.append(netns)
+            inner, outer = f"sh{i}", f"{self.tag[-6:]}p{i}"[-15:]
+            # made in the host's namespace: no name can clash with the machine's links
+            _ip("-n", netns, "link", "add", inner, "type", "veth", "peer", "name", outer)
+            _ip("-n", netns, "link", "set", outer, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", outer, "master", "br0", "up")
+            ip = f"{self.subnet}.{i + 1}"
+            _ip("-n", netns, "addr", "add", f"{ip}/24", "dev", inner)
+            _ip("-n", netns, "link", "set", inner, "up")
+            _ip("-n", netns, "link", "set", "lo", "up")
+            shm_dir = os.path.join(self._base, f"shm{i}")
+            os.mkdir(shm_dir)
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.shm_size},mode=1777", "tmpfs", shm_dir],
+                                  capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                raise OSError(f"cannot mount a tmpfs for {netns}: {done.stderr.strip()}")
+            self._mounts.append(shm_dir)
+            self.hosts.append(Host(self, i, netns, ip, inner, shm_dir))
+
+    def close(self) -> None:
+        """Stop what runs on the hosts, delete the namespaces, unmount the tmpfs mounts."""
+        for p in self.processes:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    p.kill()
+                p.wait()
+            for stream in (p.stdin, p.stdout, p.stderr):
+                if stream is not None:
+                    try:
+                        stream.close()
+                    except OSError:
+                        pass
+        self.processes.clear()
+        for netns in reversed(self._namespaces):
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+        self._namespaces.clear()
+        for path in self._mounts:
+            subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+        self._mounts.clear()
+        if self._base is not None:
+            shutil.rmtree(self._base, ignore_errors=True)
+            self._base = None

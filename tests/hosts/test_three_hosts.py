@@ -1,0 +1,132 @@
+"""Three test hosts (network namespaces, each with its own /dev/shm): the scheduler on
+host 0 (where the client runs too), two worker processes on each of hosts 1 and 2,
+all started with the CLI. The client code runs in a process on host 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shoal.testhosts import TestHosts, available
+
+pytestmark = [pytest.mark.timeout(180)] if hasattr(pytest.mark, "timeout") else []
+
+PORT = 8686
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    why = available()
+    if why is not None:
+        if os.environ.get("SHOAL_REQUIRE_HOSTS"):
+            pytest.fail(why)
+        pytest.skip(why)
+    base = tmp_path_factory.mktemp("hosts")
+    secret = base / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    env = {**os.environ, "SHOAL_AUTH_FILE": str(secret), "SHOAL_AUTH_DIR": str(base / "auth")}
+    with TestHosts(3, shm_size="256m") as hosts:
+        h0, h1, h2 = hosts
+        address = f"tcp://{h0.ip}:{PORT}"
+        s = h0.popen([sys.executable, "-m", "shoal", "scheduler", "--host", h0.ip, "--port", str(PORT),
+                      "--no-dashboard", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True, env=env)
+        assert s.stdout is not None and s.stdout.readline().startswith("shoal scheduler at "), s.poll()
+        workers: dict[str, list[str]] = {}
+        for h in (h1, h2):
+            w = h.popen([sys.executable, "-m", "shoal", "worker", address, "--host", h.ip, "--nworkers", "2",
+                         "--memory-limit", "0", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True,
+                        env=env)
+            assert w.stdout is not None
+            workers[h.name] = sorted(w.stdout.readline().split()[-1] for _ in range(2))
+        yield {"hosts": hosts, "address": address, "env": env, "workers": workers}
+    assert not os.path.exists(str(base / "auth")) or not os.listdir(base / "auth")
+
+
+def on_client_host(cluster: dict[str, Any], body: str) -> Any:
+    """Run ``body`` (Python, with ``c`` a Client of the cluster and ``W`` the workers by
+    host) on host 0; it sets ``out``, returned here from JSON."""
+    script = ("import json, shoal\n"
+              f"W = {cluster['workers']!r}\n"
+              f"c = shoal.Client({cluster['address']!r})\n"
+              "c.wait_for_workers(4, timeout=60)\n"
+              "out = None\n" + body +
+              "\nc.close()\nprint('OUT' + json.dumps(out))\n")
+    done = cluster["hosts"][0].run([sys.executable, "-c", script], env=cluster["env"], timeout=150)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][3:])
+
+
+def test_the_hosts_see_each_other_only_through_their_addresses(cluster: dict[str, Any]) -> None:
+    hosts = cluster["hosts"]
+    assert len({h.ip for h in hosts}) == 3 and all(h.ip.startswith("198.18.") for h in hosts)
+    # each host's /dev/shm is its own tmpfs
+    probe = hosts[1].run(["sh", "-c", "touch /dev/shm/shoal-probe-file && ls /dev/shm"])
+    assert "shoal-probe-file" in probe.stdout
+    assert "shoal-probe-file" in hosts[1].shm_files() and "shoal-probe-file" not in hosts[2].shm_files()
+    os.unlink(os.path.join(hosts[1].shm_dir, "shoal-probe-file"))
+
+
+def test_a_task_graph_runs_across_hosts(cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+from operator import add
+every = W["host1"] + W["host2"]
+xs = [c.submit(lambda i: i * i, i, workers=[every[i % 4]], key=f"sq-{i}") for i in range(40)]
+while len(xs) > 1:
+    xs = [c.submit(add, a, b) for a, b in zip(xs[::2], xs[1::2])] + ([xs[-1]] if len(xs) % 2 else [])
+out = {"total": c.gather(xs[0]), "where": sorted(set(w for ws in c.who_has().values() for w in ws))}
+""")
+    assert out["total"] == sum(i * i for i in range(40))
+    assert set(out["where"]) <= set(cluster["workers"]["host1"] + cluster["workers"]["host2"])
+
+
+def test_a_large_value_read_on_another_host_arrives_whole(cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+import numpy as np
+(a1, _), (b1, b2) = W["host1"], W["host2"]
+before = c.run(lambda dask_worker: dask_worker.transfer_stats())
+x = c.submit(np.full, 4 << 20, 7.0, workers=[a1], key="big")  # 32 MB
+reads = [c.submit(lambda a: float(a.sum()), x, workers=[w], key=f"on-{w}") for w in (b1, b2)]
+sums = c.gather(reads)
+after = c.run(lambda dask_worker: dask_worker.transfer_stats())
+out = {"sums": sums, "before": before, "after": after, "a1": a1}
+""")
+    assert out["sums"] == [7.0 * (4 << 20)] * 2
+    moved = {w: out["after"][w]["tcp"] - out["before"][w]["tcp"] for w in out["after"]}
+    # between hosts the value goes over tcp, served by its maker
+    assert moved[out["a1"]] >= 8 * (4 << 20)
+
+
+def test_dask_arrays_run_across_hosts(cluster: dict[str, Any]) -> None:
+    pytest.importorskip("dask.array")
+    out = on_client_host(cluster, """
+import dask, dask.array as da
+x = da.arange(200_000, chunks=10_000)
+with dask.config.set(scheduler=c.get):
+    out = {"sum": int((x * 2).sum().compute())}
+""")
+    assert out["sum"] == 2 * sum(range(200_000))
+
+
+def test_a_lost_worker_host_process_is_recomputed_elsewhere(cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+import os
+x = c.submit(lambda: 41, key="on-lost", pure=False)
+x.result()
+w = c.who_has()["on-lost"][0]
+try:
+    c.run(lambda: os._exit(1), workers=[w])
+except Exception:
+    pass
+y = c.submit(lambda v: v + 1, x, key="after-loss")
+out = {"y": y.result(timeout=60)}
+""")
+    assert out["y"] == 42
