@@ -16,7 +16,7 @@ import pytest
 
 from shoal.testhosts import TestHosts, available
 
-pytestmark = [pytest.mark.timeout(180)] if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(180)
 
 PORT = 8686
 
