@@ -10,7 +10,8 @@ hosts:
   the machine's own namespace, and nothing leaves the machine;
 - each host is a network namespace joined to the bridge by a veth pair, with one
   address of 198.18.0.0/15 (the block reserved for benchmarking networks, RFC 2544):
-  host ``i`` of the run ``k`` is ``198.18.k.(i+1)``;
+  host ``i`` is ``198.18.X.(i+1)``, with ``X`` picked per :class:`TestHosts` from the
+  process id and a counter;
 - each host's shared memory is a tmpfs of its own. A process of a host runs in the
   host's network namespace and in a private mount namespace in which that tmpfs is
   mounted on /dev/shm (:meth:`Host.popen`), so processes of one host share segments and
