@@ -53,14 +53,21 @@ def _host_identity() -> str:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    # the device of /dev/shm: processes of one machine that mount a /dev/shm of their
+    # own (containers, the test hosts of shoal.testhosts) share no segments either
+    try:
+        shm_dev = format(os.stat("/dev/shm").st_dev, "x")
+    except OSError:
+        shm_dev = ""
+    return f"{socket.gethostname()}/{boot}/{shm_dev}"
 
 
 _HOST_ID = _host_identity()
 
 
 def host_identity() -> str:
-    """This host's identity as the handshake carries it: ``<hostname>/<boot id>``."""
+    """This host's identity as the handshake carries it: ``<hostname>/<boot id>/<device
+    of /dev/shm>`` (processes with the same identity share shared memory)."""
     return _HOST_ID
 
 

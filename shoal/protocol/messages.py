@@ -120,6 +120,19 @@ class TaskFinishedMsg(Msg, tag="task-finished"):
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
 
 
+class AddReplicaMsg(Msg, tag="add-replica"):
+    """The worker keeps a copy of a value it fetched from another host, in this segment
+    (§4.7), which workers of its host may map: it holds it until ``free-keys``."""
+
+    key: Any
+    shm: Any
+    nbytes: int = 0
+    stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    key_fields: ClassVar[tuple[str, ...]] = ("key",)
+    optional: ClassVar[tuple[str, ...]] = ("nbytes", "stimulus_id")
+    segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", False),)
+
+
 class WorkerTaskErredMsg(Msg, tag="task-erred"):
     key: Any
     exception: Any = None  # opaque
@@ -568,7 +581,7 @@ def _table(*types: type[Msg]) -> dict[str, type[Msg]]:
 
 HANDSHAKE = _table(HandshakeMsg, HandshakeAuthMsg, HandshakeShmMsg, HandshakeRefusedMsg)
 WORKER_TO_SCHEDULER = _table(TaskFinishedMsg, WorkerTaskErredMsg, MissingDataMsg, RescheduleMsg,
-                             LongRunningMsg, HeartbeatMsg, WorkerMemoryMsg, UnregisterMsg)
+                             LongRunningMsg, HeartbeatMsg, WorkerMemoryMsg, UnregisterMsg, AddReplicaMsg)
 SCHEDULER_TO_WORKER = _table(ComputeTaskMsg, FreeKeysMsg, CloseMsg, PluginAddMsg)
 CLIENT_TO_SCHEDULER = _table(UpdateGraphMsg, ReleaseKeysMsg, CancelKeysMsg, HeartbeatMsg, CloseClientMsg,
                              FireAndForgetMsg, *COORDINATION_STREAM)

@@ -170,6 +170,16 @@ class RemoveReplicasEvent(Event):
 
 
 @dataclass
+class ReplicaAddedEvent(Event):
+    """``worker`` keeps a copy of ``key``'s value that it fetched, in segment ``shm``
+    (opaque), for the workers of its host to map."""
+
+    worker: str
+    key: Key
+    shm: Any
+
+
+@dataclass
 class MissingDataEvent(Event):
     """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
 

@@ -115,9 +115,9 @@ class TaskState:
     exception_blame: TaskState | None = None
     #: for errors the scheduler raises itself: "KilledWorker", "LostData", ...
     error_kind: str = ""
-    #: where the value lies in shared memory (opaque, from the worker that placed it)
-    shm: Any = None
-    shm_owner: str = ""
+    #: where the value lies in shared memory: {address of the worker that placed it:
+    #: segment info (opaque)}, one per host at most that matters; None: nowhere
+    shm: dict[str, Any] | None = None
     #: a small value the worker sent along (opaque), for clients that ask later
     inline: Any = None
     #: its key prefix's counts (see :class:`PrefixGroup`), and whether it counted as done

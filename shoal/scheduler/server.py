@@ -44,6 +44,7 @@ from ..protocol.messages import (
     LongRunningMsg,
     WorkerMemoryMsg,
     MissingDataMsg,
+    AddReplicaMsg,
     Msg,
     ReleaseKeysMsg,
     RescheduleMsg,
@@ -79,6 +80,7 @@ from .state import (
     LongRunningEvent,
     WorkerMemoryEvent,
     MissingDataEvent,
+    ReplicaAddedEvent,
     NewTask,
     ReleaseKeysEvent,
     RemoveClientEvent,
@@ -402,6 +404,8 @@ class Scheduler:
                 self._apply(TaskErredEvent(sid, address, msg.key, msg.exception, msg.traceback, msg.text))
             case MissingDataMsg():
                 self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker))
+            case AddReplicaMsg():
+                self._apply(ReplicaAddedEvent(sid, address, msg.key, msg.shm))
             case RescheduleMsg():
                 self._apply(RescheduleEvent(sid, address, msg.key))
             case LongRunningMsg():

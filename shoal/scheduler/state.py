@@ -78,6 +78,7 @@ from .events import (
     Instruction,
     LongRunningEvent,
     MissingDataEvent,
+    ReplicaAddedEvent,
     NewTask,
     ReleaseKeysEvent,
     RemoveClientEvent,
@@ -128,6 +129,7 @@ __all__ = [
     "UpdateDataEvent",
     "RemoveReplicasEvent",
     "MissingDataEvent",
+    "ReplicaAddedEvent",
     "RescheduleEvent",
     "LongRunningEvent",
     "HeartbeatEvent",
@@ -198,6 +200,7 @@ class SchedulerState(TaskTransitions):
             UpdateDataEvent: self._update_data,
             RemoveReplicasEvent: self._remove_replicas,
             MissingDataEvent: self._missing_data,
+            ReplicaAddedEvent: self._replica_added,
             RescheduleEvent: self._reschedule,
             LongRunningEvent: self._long_running,
             HeartbeatEvent: self._heartbeat,
@@ -278,7 +281,7 @@ class SchedulerState(TaskTransitions):
             else:
                 recs[ts] = "waiting"
         for ts in sorted(ws.has_what):
-            ts.who_has.discard(ws)
+            self._drop_replica(ts, ws)
             if not ts.who_has and ts.state == "memory":
                 self._lost_value(ts, recs)
         ws.has_what.clear()
@@ -417,10 +420,10 @@ class SchedulerState(TaskTransitions):
             return
         self._record_duration(ev.duration)
         if ts.state == "memory":
-            self._add_replica(ts, ws)
+            self._add_replica(ts, ws, ev.shm)
             return
         ts.nbytes = ev.nbytes
-        ts.shm, ts.shm_owner = (ev.shm, ws.address) if ev.shm is not None else (None, "")
+        ts.shm = {ws.address: ev.shm} if ev.shm is not None else None
         ts.inline = ev.value
         self._recommend(self._transition(ts, "memory", ws))
 
@@ -494,7 +497,7 @@ class SchedulerState(TaskTransitions):
             for ws in workers:
                 self._add_replica(ts, ws)
             info = ev.shm.get(key)
-            ts.shm, ts.shm_owner = (info, workers[0].address) if info is not None and len(workers) == 1 else (None, "")
+            ts.shm = {workers[0].address: info} if info is not None and len(workers) == 1 else None
             recs.update(self._on_memory(ts))
         self._recommend(recs)
 
@@ -510,19 +513,27 @@ class SchedulerState(TaskTransitions):
                     continue
                 if any(dts.processing_on is ws for dts in ts.dependents):
                     continue
-                ts.who_has.discard(ws)
-                ws.has_what.discard(ts)
-                ws.nbytes -= max(ts.nbytes, 0)
+                self._drop_replica(ts, ws)
                 self._emit(FreeKeys(self._stimulus, ws.address, [key]))
+
+    def _replica_added(self, ev: ReplicaAddedEvent) -> None:
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ws is None:
+            return
+        if ts is None or ts.state != "memory":
+            # not wanted any more (or being computed again): the copy goes
+            if ts is None or ws not in ts.who_has:
+                self._emit(FreeKeys(self._stimulus, ws.address, [ev.key]))
+            return
+        self._add_replica(ts, ws, ev.shm)
 
     def _missing_data(self, ev: MissingDataEvent) -> None:
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.errant_worker)
         if ts is None or ws is None or ws not in ts.who_has:
             return
-        ts.who_has.discard(ws)
-        ws.has_what.discard(ts)
-        ws.nbytes -= max(ts.nbytes, 0)
+        self._drop_replica(ts, ws)
         if not ts.who_has and ts.state == "memory":
             recs: dict[TaskState, str] = {}
             self._lost_value(ts, recs)

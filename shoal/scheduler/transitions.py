@@ -159,15 +159,20 @@ class TaskTransitions:
             {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
             {d.key: d.nbytes for d in sorted(ts.dependencies)},
             ts.priority,
-            {d.key: d.shm for d in ts.dependencies if self._shm_valid(d)},
+            {d.key: info for d in ts.dependencies if (info := self._shm_info(d, ws.host)) is not None},
             bool(ts.who_wants),
             ts.resources,
         ))
 
-    @staticmethod
-    def _shm_valid(ts: TaskState) -> bool:
-        """Whether ``ts``'s shared-memory copy still exists (its owner holds the key)."""
-        return ts.shm is not None and any(ws.address == ts.shm_owner for ws in ts.who_has)
+    def _shm_info(self, ts: TaskState, host: str | None = None) -> Any:
+        """A segment that holds ``ts``'s value and still exists (its owner holds the
+        key): one on ``host`` (a host identity, §3), or with None the first placed (the
+        maker's) still held; None if there is none."""
+        for owner, info in (ts.shm or {}).items():
+            ws = self.workers.get(owner)
+            if ws is not None and ws in ts.who_has and (host is None or ws.host == host):
+                return info
+        return None
 
     def _processing_memory(self, ts: TaskState, ws: WorkerState) -> dict[TaskState, str]:
         self._unassign(ts)
@@ -211,7 +216,7 @@ class TaskTransitions:
                 ws.nbytes -= max(ts.nbytes, 0)
                 self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
             ts.who_has.clear()
-            ts.inline = None
+            ts.inline = ts.shm = None
         elif start == "erred":
             ts.exception = ts.traceback = ts.exception_blame = None
             ts.exception_text = ""
@@ -332,7 +337,7 @@ class TaskTransitions:
     def _in_memory_msg(self, ts: TaskState) -> dict[str, Any]:
         return to_wire(KeyInMemoryMsg(
             ts.key, ts.nbytes, sorted(ws.address for ws in ts.who_has),
-            shm=ts.shm if self._shm_valid(ts) else None, value=ts.inline,
+            shm=self._shm_info(ts), value=ts.inline,
         ))
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
@@ -355,11 +360,25 @@ class TaskTransitions:
         else:
             recs[ts] = "forgotten"
 
-    def _add_replica(self, ts: TaskState, ws: WorkerState) -> None:
+    def _add_replica(self, ts: TaskState, ws: WorkerState, shm: Any = None) -> None:
+        """``ws`` holds ``ts``'s value too (with ``shm``: in that segment, which
+        workers of its host map; the first such copy per host is the one passed on)."""
         if ws not in ts.who_has:
             ts.who_has.add(ws)
             ws.has_what.add(ts)
             ws.nbytes += max(ts.nbytes, 0)
+        if shm is not None:
+            if ts.shm is None:
+                ts.shm = {}
+            ts.shm[ws.address] = shm
+
+    def _drop_replica(self, ts: TaskState, ws: WorkerState) -> None:
+        """``ws`` no longer holds ``ts``'s value (nor its segment)."""
+        ts.who_has.discard(ws)
+        ws.has_what.discard(ts)
+        ws.nbytes -= max(ts.nbytes, 0)
+        if ts.shm is not None and ts.shm.pop(ws.address, None) is not None and not ts.shm:
+            ts.shm = None
 
     def _to_clients(self, ts: TaskState, msg: dict[str, Any], only: str | None = None) -> None:
         for client in ([only] if only is not None else sorted(ts.who_wants)):

@@ -109,11 +109,14 @@ class GatherDepSuccessEvent(Event):
     data: dict[Key, Any]
     requested: list[Key]
     nbytes: dict[Key, int] = field(default_factory=dict)
+    #: values from another host this worker put in segments of its own (their infos),
+    #: for the workers of its host to map: kept as replicas the scheduler knows of
+    shm: dict[Key, Any] = field(default_factory=dict)
 
     def logged(self) -> GatherDepSuccessEvent:
         """This event for the log: which keys came, without their values."""
         return GatherDepSuccessEvent(self.stimulus_id, self.worker, dict.fromkeys(self.data, DROPPED),
-                                     self.requested, self.nbytes)
+                                     self.requested, self.nbytes, self.shm)
 
 
 @dataclass

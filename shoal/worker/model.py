@@ -26,7 +26,9 @@ class WTask:
     #: a client waits for the value (the scheduler said so): small ones travel inline
     report: bool = False
     priority: tuple[int, ...] = (0,)
-    #: "compute" (the scheduler's), "fetched" (a local copy), "scattered"
+    #: "compute" (the scheduler's), "fetched" (a local copy), "scattered", "replica" (a
+    #: copy from another host the scheduler was told of): all but "fetched" are held
+    #: until the scheduler frees them
     origin: str = "fetched"
     dependencies: set[WTask] = field(default_factory=set)
     dependents: set[WTask] = field(default_factory=set)

@@ -35,7 +35,7 @@ from ..errors import CommError, ProtocolError, SerializationError, describe, sho
 from .. import config
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
-from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..protocol import REMOTE, SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, without_values
 from ..protocol.resources import check_resources
 from ..protocol.messages import (
@@ -632,7 +632,31 @@ class Worker:
         data = response["result"]["data"]
         nbytes = {k: sizeof(v) for k, v in data.items()}
         self.traffic.fetched(comm.destination, nbytes, data.values(), inst.worker, began, time.time())
-        self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes))
+        kept: dict[Any, Any] = {}
+        try:
+            if self.use_shm and comm.destination == REMOTE:
+                await self._keep_for_host(data, nbytes, kept)
+            self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes,
+                                                       kept))
+        finally:
+            for key in kept:
+                self.store.unexpect(key)  # no-op for the values the store took
+
+    async def _keep_for_host(self, data: dict[Any, Any], nbytes: dict[Any, int], kept: dict[Any, Any]) -> None:
+        """Put the large values that came from another host in segments of this worker
+        (copied in a thread, off the loop), so that the other workers of this host map
+        them instead of fetching them across again; replaces them in ``data`` and puts
+        their segment infos in ``kept`` (the store takes the segments with the values)."""
+        fits = self.store.fits if self.monitor is None else self.monitor.fits
+        for key, value in list(data.items()):
+            if nbytes[key] < shm_family.TRANSFER_MIN_BYTES or not fits(nbytes[key]):
+                continue
+            placed = await asyncio.to_thread(self._place, value)
+            if placed is None:
+                continue
+            segment, data[key] = placed
+            self.store.expect(key, segment)
+            kept[key] = segment.info
 
     # -- rpc handlers
 

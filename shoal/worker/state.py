@@ -378,6 +378,11 @@ class WorkerState:
             if ts.key in ev.data:
                 ts.nbytes = ev.nbytes.get(ts.key, ts.nbytes)
                 self._put(ts, ev.data[ts.key])
+                info = ev.shm.get(ts.key)
+                if info is not None:
+                    # it crossed hosts: kept for this host's workers, until the scheduler frees it
+                    ts.origin = "replica"
+                    self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
             else:
                 self._missing_on(ts, ev.worker)
 

@@ -88,21 +88,30 @@ out = {"total": c.gather(xs[0]), "where": sorted(set(w for ws in c.who_has().val
     assert set(out["where"]) <= set(cluster["workers"]["host1"] + cluster["workers"]["host2"])
 
 
-def test_a_large_value_read_on_another_host_arrives_whole(cluster: dict[str, Any]) -> None:
+def test_a_large_value_crosses_hosts_over_tcp_once_and_is_then_mapped_there(cluster: dict[str, Any]) -> None:
     out = on_client_host(cluster, """
 import numpy as np
 (a1, _), (b1, b2) = W["host1"], W["host2"]
 before = c.run(lambda dask_worker: dask_worker.transfer_stats())
-x = c.submit(np.full, 4 << 20, 7.0, workers=[a1], key="big")  # 32 MB
-reads = [c.submit(lambda a: float(a.sum()), x, workers=[w], key=f"on-{w}") for w in (b1, b2)]
-sums = c.gather(reads)
+x = c.submit(np.full, 4 << 20, 7.0, workers=[a1], key="big")  # 32 MB, made on host 1
+# read on host 2 by one worker, then by the other
+first = c.submit(lambda a: float(a.sum()), x, workers=[b1], key="on-b1").result()
+holders = sorted(c.who_has()["big"])
+second = c.submit(lambda a: float(a.sum()), x, workers=[b2], key="on-b2").result()
 after = c.run(lambda dask_worker: dask_worker.transfer_stats())
-out = {"sums": sums, "before": before, "after": after, "a1": a1}
+out = {"sums": [first, second], "before": before, "after": after, "a1": a1, "b1": b1, "b2": b2,
+       "holders": holders}
 """)
+    size = 8 * (4 << 20)
     assert out["sums"] == [7.0 * (4 << 20)] * 2
-    moved = {w: out["after"][w]["tcp"] - out["before"][w]["tcp"] for w in out["after"]}
-    # between hosts the value goes over tcp, served by its maker
-    assert moved[out["a1"]] >= 8 * (4 << 20)
+    moved = {w: {path: out["after"][w][path] - out["before"][w][path] for path in ("tcp", "shm")}
+             for w in out["after"]}
+    a1, b1, b2 = out["a1"], out["b1"], out["b2"]
+    # the maker served it over tcp once (to b1), which keeps it for its host...
+    assert size <= moved[a1]["tcp"] < 2 * size, moved
+    assert out["holders"] == sorted([a1, b1])
+    # ...and b2, on b1's host, mapped b1's segment: no second crossing, nobody served it
+    assert moved[b2]["shm"] >= size and moved[b2]["tcp"] < size and moved[b1]["tcp"] < size, moved
 
 
 def test_dask_arrays_run_across_hosts(cluster: dict[str, Any]) -> None:

@@ -756,3 +756,39 @@ def test_wanted_key_unknown_to_everyone_is_reported_not_left_hanging():
     assert msgs and msgs[0]["op"] == "task-erred" and msgs[0]["kind"] == "KeyError"
     assert "nowhere" in msgs[0]["text"]
     s.validate()
+
+
+# ------------------------------------------------------------- segments by host
+
+
+def test_each_host_is_handed_a_segment_of_its_own_host(s: Sched) -> None:
+    from shoal.scheduler.state import ReplicaAddedEvent, TaskFinishedEvent
+
+    for address, host in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B"), ("b3", "B")):
+        s(AddWorkerEvent(s.sid(), address, 1, host))
+    made, kept, also = ["seg-a1"], ["seg-b1"], ["seg-b2"]
+    s.submit(task("x", workers=["a1"]), wanted=["x"])
+    s(TaskFinishedEvent(s.sid(), "a1", "x", 1 << 25, shm=made))
+    # b1 read x over tcp and keeps it in a segment of host B
+    s.submit(task("r1", "x", workers=["b1"]))
+    assert s(ReplicaAddedEvent(s.sid(), "b1", "x", kept)) == []
+    assert {ws.address for ws in s.ts("x").who_has} == {"a1", "b1"}
+    out = s.submit(task("r2", "x", workers=["b2"]), task("r3", "x", workers=["a2"]))
+    assert compute_of(out, "r2").shm == {"x": kept} and compute_of(out, "r3").shm == {"x": made}
+    # a second copy on host B: the first one is handed out while its owner holds it...
+    s(ReplicaAddedEvent(s.sid(), "b2", "x", also))
+    out = s.submit(task("r4", "x", workers=["b3"]))
+    assert compute_of(out, "r4").shm == {"x": kept}
+    # ...then the next one
+    s.remove_worker("b1")
+    assert s.ts("x").shm == {"a1": made, "b2": also}
+    out = s.submit(task("r5", "x", workers=["b3"]))
+    assert compute_of(out, "r5").shm == {"x": also}
+
+
+def test_a_replica_of_a_key_no_longer_in_memory_is_freed(s: Sched) -> None:
+    from shoal.scheduler.state import ReplicaAddedEvent
+
+    s.add_worker("w1")
+    s.add_worker("w2")
+    assert frees(s(ReplicaAddedEvent(s.sid(), "w2", "gone", ["seg"]))) == {"w2": {"gone"}}

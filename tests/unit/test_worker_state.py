@@ -256,6 +256,21 @@ def test_missing_data_on_a_peer_is_reported_and_fetched_from_another(w: Wk) -> N
     assert executes(out) == ["t"]
 
 
+def test_a_value_kept_for_this_host_is_a_replica_until_the_scheduler_frees_it(w: Wk) -> None:
+    w.compute("t", {"a": ["p1"], "b": ["p1"]})
+    # a came from another host and was put in a segment of this worker; b was not
+    out = w(GatherDepSuccessEvent(w.sid(), "p1", {"a": 1, "b": 2}, ["a", "b"], {"a": 1 << 25, "b": 10},
+                                  {"a": ["seg", 1 << 25, 10, [[4096, 1 << 25]], "tok"]}))
+    assert sent(out, "add-replica") == [{"op": "add-replica", "key": "a", "nbytes": 1 << 25,
+                                         "shm": ["seg", 1 << 25, 10, [[4096, 1 << 25]], "tok"]}]
+    assert executes(out) == ["t"]
+    w.success("t")
+    # b, a private copy, goes with its last dependent; a stays for the scheduler
+    assert "a" in w.state.data and "b" not in w.state.data
+    w.free("a")
+    assert "a" not in w.state.data
+
+
 def test_missing_data_everywhere_gives_the_dependents_back(w: Wk) -> None:
     w(w.compute_event("t1", {"a": ["p1"]}), w.compute_event("t2", {"a": ["p1"], "b": ["p1"]}))
     out = w.gathered("p1", {"b": 2}, ["a", "b"])
