@@ -4,65 +4,20 @@ all started with the CLI. The client code runs in a process on host 0."""
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from shoal.testhosts import TestHosts, available
+from hostcluster import host_cluster, on_client_host
 
 pytestmark = pytest.mark.timeout(180)
-
-PORT = 8686
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    why = available()
-    if why is not None:
-        if os.environ.get("SHOAL_REQUIRE_HOSTS"):
-            pytest.fail(why)
-        pytest.skip(why)
-    base = tmp_path_factory.mktemp("hosts")
-    secret = base / "secret"
-    secret.write_text(secrets.token_hex(32))
-    secret.chmod(0o600)
-    env = {**os.environ, "SHOAL_AUTH_FILE": str(secret), "SHOAL_AUTH_DIR": str(base / "auth")}
-    with TestHosts(3, shm_size="256m") as hosts:
-        h0, h1, h2 = hosts
-        address = f"tcp://{h0.ip}:{PORT}"
-        s = h0.popen([sys.executable, "-m", "shoal", "scheduler", "--host", h0.ip, "--port", str(PORT),
-                      "--no-dashboard", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True, env=env)
-        assert s.stdout is not None and s.stdout.readline().startswith("shoal scheduler at "), s.poll()
-        workers: dict[str, list[str]] = {}
-        for h in (h1, h2):
-            w = h.popen([sys.executable, "-m", "shoal", "worker", address, "--host", h.ip, "--nworkers", "2",
-                         "--memory-limit", "0", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True,
-                        env=env)
-            assert w.stdout is not None
-            workers[h.name] = sorted(w.stdout.readline().split()[-1] for _ in range(2))
-        yield {"hosts": hosts, "address": address, "env": env, "workers": workers}
-    assert not os.path.exists(str(base / "auth")) or not os.listdir(base / "auth")
-
-
-def on_client_host(cluster: dict[str, Any], body: str) -> Any:
-    """Run ``body`` (Python, with ``c`` a Client of the cluster and ``W`` the workers by
-    host) on host 0; it sets ``out``, returned here from JSON."""
-    script = ("import json, shoal\n"
-              f"W = {cluster['workers']!r}\n"
-              f"c = shoal.Client({cluster['address']!r})\n"
-              "c.wait_for_workers(4, timeout=60)\n"
-              "out = None\n" + body +
-              "\nc.close()\nprint('OUT' + json.dumps(out))\n")
-    done = cluster["hosts"][0].run([sys.executable, "-c", script], env=cluster["env"], timeout=150)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1][3:])
+    with host_cluster(tmp_path_factory.mktemp("hosts")) as c:
+        yield c
 
 
 def test_the_hosts_see_each_other_only_through_their_addresses(cluster: dict[str, Any]) -> None:

@@ -1,0 +1,127 @@
+"""Clusters on test hosts (network namespaces with a /dev/shm each, :mod:`shoal.testhosts`):
+the scheduler on host 0, where the client code runs too, and ``shoal worker --nworkers
+2`` on each other host, all started with the CLI and a shared secret."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shoal.testhosts import TestHosts, available
+
+PORT = 8686
+
+#: the client side of :class:`ClientSession`: runs each JSON line of code it reads in
+#: one namespace and answers with the JSON of ``out`` (or the error's text)
+_REPL = r"""
+import json, sys, traceback
+ns = {"json": json}
+exec(sys.argv[1], ns)
+print("READY", flush=True)
+for line in sys.stdin:
+    ns["out"] = None
+    try:
+        exec(json.loads(line), ns)
+        reply = {"out": ns["out"]}
+    except BaseException:
+        reply = {"error": traceback.format_exc()}
+    print("OUT" + json.dumps(reply), flush=True)
+"""
+
+
+def require_hosts() -> None:
+    why = available()
+    if why is not None:
+        if os.environ.get("SHOAL_REQUIRE_HOSTS"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@contextlib.contextmanager
+def host_cluster(base: Path, n_hosts: int = 3, env: dict[str, str] | None = None,
+                 shm_size: str = "256m") -> Iterator[dict[str, Any]]:
+    """A cluster on ``n_hosts`` test hosts; yields ``{"hosts", "address", "env",
+    "workers": {host name: [worker address, ...]}}``. ``env`` is added to every
+    process's environment (settings such as ``SHOAL_WORKER_TTL``)."""
+    require_hosts()
+    secret = base / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    env = {**os.environ, "SHOAL_AUTH_FILE": str(secret), "SHOAL_AUTH_DIR": str(base / "auth"), **(env or {})}
+    with TestHosts(n_hosts, shm_size=shm_size) as hosts:
+        h0 = hosts[0]
+        address = f"tcp://{h0.ip}:{PORT}"
+        s = h0.popen([sys.executable, "-m", "shoal", "scheduler", "--host", h0.ip, "--port", str(PORT),
+                      "--no-dashboard", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True, env=env)
+        assert s.stdout is not None and s.stdout.readline().startswith("shoal scheduler at "), s.poll()
+        workers: dict[str, list[str]] = {}
+        for h in hosts[1:]:
+            w = h.popen([sys.executable, "-m", "shoal", "worker", address, "--host", h.ip, "--nworkers", "2",
+                         "--memory-limit", "0", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True,
+                        env=env)
+            assert w.stdout is not None
+            workers[h.name] = sorted(w.stdout.readline().split()[-1] for _ in range(2))
+        yield {"hosts": hosts, "address": address, "env": env, "workers": workers}
+    assert not os.path.exists(str(base / "auth")) or not os.listdir(base / "auth")
+
+
+def _preamble(cluster: dict[str, Any]) -> str:
+    n = sum(len(ws) for ws in cluster["workers"].values())
+    return ("import json, shoal\n"
+            f"W = {cluster['workers']!r}\n"
+            f"c = shoal.Client({cluster['address']!r})\n"
+            f"c.wait_for_workers({n}, timeout=60)\n")
+
+
+def on_client_host(cluster: dict[str, Any], body: str) -> Any:
+    """Run ``body`` (Python, with ``c`` a Client of the cluster and ``W`` the workers by
+    host) on host 0; it sets ``out``, returned here from JSON."""
+    script = _preamble(cluster) + "out = None\n" + body + "\nc.close()\nprint('OUT' + json.dumps(out))\n"
+    done = cluster["hosts"][0].run([sys.executable, "-c", script], env=cluster["env"], timeout=150)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][3:])
+
+
+class ClientSession:
+    """A client process on host 0 that runs code step by step (between steps the test
+    changes the network): ``step(code)`` runs ``code`` there, with ``c`` and ``W`` as in
+    :func:`on_client_host` and the names of earlier steps, and returns its ``out``."""
+
+    def __init__(self, cluster: dict[str, Any]):
+        self.process = cluster["hosts"][0].popen(
+            [sys.executable, "-c", _REPL, _preamble(cluster)], env=cluster["env"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._line() == "READY"
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"the client process ended (exit code {self.process.wait(timeout=10)})"
+        return line.strip()
+
+    def step(self, code: str) -> Any:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(code) + "\n")
+        self.process.stdin.flush()
+        line = self._line()
+        while not line.startswith("OUT"):
+            line = self._line()
+        reply = json.loads(line[3:])
+        assert "error" not in reply, reply["error"]
+        return reply["out"]
+
+    def close(self) -> None:
+        self.step("c.close()")
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
