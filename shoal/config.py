@@ -36,6 +36,10 @@ _DEFAULTS: dict[str, Any] = {
     "large-frame-bytes": 1 << 20,
     # seconds a connect() waits, including the handshake
     "connect-timeout": 10.0,
+    # tcp: a connection whose peer acknowledges nothing for this many seconds (what we
+    # sent, or keepalive probes once it is idle) is broken, as after a partition or a
+    # host that went away without closing it (0: the kernel's defaults, many minutes)
+    "tcp-timeout": 30.0,
     # batched streams coalesce messages over this many seconds once busy,
     # i.e. after this many writes within one interval
     "batched-interval": 0.002,

@@ -116,6 +116,7 @@ class TCPComm(Comm):
             wsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
+        set_liveness(wsock, config.get("tcp-timeout"))
         return wsock
 
     # -- reading
@@ -384,6 +385,28 @@ class TCPComm(Comm):
 
     def set_idle_timeout(self, seconds: float) -> None:
         self._protocol.set_idle_timeout(seconds)
+
+
+def set_liveness(sock: socket.socket, timeout: float) -> None:
+    """Have the kernel break the connection when the peer acknowledges nothing for about
+    ``timeout`` seconds: unacknowledged data (``TCP_USER_TIMEOUT``) and, on an idle
+    connection, unanswered keepalive probes. Without it a peer behind a partition keeps
+    a fetch waiting for as long as the kernel retransmits (a quarter of an hour)."""
+    if timeout <= 0:
+        return
+    idle = max(1, int(timeout / 2))
+    probes = 3
+    interval = max(1, int((timeout - idle) / probes))
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes),
+                        ("TCP_USER_TIMEOUT", int(timeout * 1000))):
+        if hasattr(socket, name):  # Linux has them all; others keep their defaults
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:  # not a TCP socket after all, or an option this kernel lacks
+            pass
 
 
 def _advance(views: deque[Any], sent: int) -> None:

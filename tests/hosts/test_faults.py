@@ -21,7 +21,10 @@ from hostcluster import ClientSession, host_cluster
 pytestmark = pytest.mark.timeout(240)
 
 TTL = 4.0
-SETTINGS = {"SHOAL_WORKER_TTL": str(TTL), "SHOAL_HEARTBEAT_INTERVAL": "0.25", "SHOAL_CONNECT_TIMEOUT": "3"}
+# connections whose peer is silent for 3 s are broken (tcp-timeout): a fetch from a host
+# behind the partition fails, instead of waiting for the kernel's retransmissions
+SETTINGS = {"SHOAL_WORKER_TTL": str(TTL), "SHOAL_HEARTBEAT_INTERVAL": "0.25", "SHOAL_CONNECT_TIMEOUT": "3",
+            "SHOAL_TCP_TIMEOUT": "3"}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,11 @@ import numpy as np
 xs = [c.submit(lambda i: np.full(1 << 16, float(i)), i, workers=[b], allow_other_workers=True,
                key=f"long-x-{i}") for i, b in enumerate([b1, b2, b1, b2])]
 shoal.wait(xs)
+# host 1's workers have fetched from host 2's before: their pools keep those connections,
+# which the partition leaves open but dead
+warm = [c.submit(lambda i: i, i, workers=[b], key=f"long-warm-{b}") for i, b in enumerate([b1, b2])]
+got = [c.submit(lambda *v: sum(v), *warm, workers=[a], key=f"long-fetch-{a}") for a in (a1, a2)]
+assert [g.result(timeout=60) for g in got] == [1, 1]
 out = {"holders": {k: v for k, v in c.who_has().items() if k.startswith("long-x")}}
 """)
     assert {w for ws in before["holders"].values() for w in ws} <= set(host2_workers)

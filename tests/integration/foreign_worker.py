@@ -47,6 +47,20 @@ from foreign_wire import (
 )
 
 
+def host_identity() -> str:
+    """This host's identity as §3 writes it: hostname, boot id, device of /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        dev = format(os.stat("/dev/shm").st_dev, "x")
+    except OSError:
+        dev = ""
+    return f"{socket.gethostname()}/{boot}/{dev}"
+
+
 class ForeignWorker:
     """One thread for the scheduler stream (tasks run there, one at a time:
     ``nthreads=1``), one accepting peers, one per peer connection.
@@ -63,7 +77,9 @@ class ForeignWorker:
         self.secret = find_secret(scheduler_address) if secret is None else secret
         self.name = name
         self.shm = shm
-        self.host_id = f"foreign-{uuid.uuid4().hex}"  # not a Python process's host identity (§3)
+        # with shared memory the host identity of §3, so that the scheduler hands segments
+        # between us and the Python workers of this host; without, one of our own
+        self.host_id = host_identity() if shm else f"foreign-{uuid.uuid4().hex}"
         self.deadline = time.monotonic() + deadline
         self.data: dict[Any, Any] = {}
         #: key -> the segment info of a result we placed (§4.7); released with the key

@@ -107,3 +107,39 @@ def test_a_stopped_worker_is_removed_and_its_task_completes_elsewhere(
         assert c.submit(pid_then_wait, tmp_path / "pid2", gate, 7, pure=False).result(timeout=10) == 7
     for pid in pids.values():
         assert shm.process_gone(pid) and not shm.segments_of(pid)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.async_timeout(5)
+async def test_both_ends_of_a_tcp_connection_break_when_the_peer_goes_silent() -> None:
+    """tcp-timeout: keepalive probes on an idle connection and a bound on unacknowledged
+    data, so that a peer behind a partition fails a fetch instead of holding it for the
+    kernel's quarter of an hour of retransmissions."""
+    import socket
+
+    from shoal.comm import listen
+
+    accepted: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def handler(comm: Any) -> None:
+        await accepted.put(comm)
+        await comm.read()
+
+    with config.set(tcp_timeout=6.0):
+        listener = await listen("tcp://127.0.0.1:0", handler)
+        try:
+            conn = await connect(listener.contact_address)
+            try:
+                served = await accepted.get()
+                for comm in (conn, served):
+                    sock = comm._wsock
+                    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 6000
+                    # idle half the timeout, then three probes in the other half
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 3
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            finally:
+                await conn.close()
+        finally:
+            listener.stop()

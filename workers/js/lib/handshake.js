@@ -20,7 +20,7 @@ class HandshakeError extends Error {
   }
 }
 
-/** This host's identity as Python processes write it (§3): informational only. */
+/** This host's identity as Python processes write it (§3): hostname, boot id, device of /dev/shm. */
 function hostIdentity() {
   let boot = "";
   try {
@@ -28,7 +28,13 @@ function hostIdentity() {
   } catch {
     // no boot id on this system: the part stays empty
   }
-  return `${os.hostname()}/${boot}`;
+  let shmDev = "";
+  try {
+    shmDev = fs.statSync("/dev/shm").dev.toString(16);
+  } catch {
+    // no /dev/shm: the part stays empty
+  }
+  return `${os.hostname()}/${boot}/${shmDev}`;
 }
 
 /**
