@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .client.future import fire_and_forget
     from .client.structure import futures_of
     from .comm.security import Security
-    from .deploy import LocalCluster
+    from .deploy import DeployError, LocalCluster, SlurmCluster, SSHCluster
     from .worker.context import get_worker, rejoin, secede, worker_client
     from .worker.plugin import WorkerPlugin
     from .scheduler.plugin import SchedulerPlugin
@@ -70,6 +70,9 @@ _LAZY = {
     "fire_and_forget": "shoal.client.future",
     "futures_of": "shoal.client.structure",
     "LocalCluster": "shoal.deploy",
+    "SSHCluster": "shoal.deploy",
+    "SlurmCluster": "shoal.deploy",
+    "DeployError": "shoal.deploy",
     "Security": "shoal.comm.security",
     "get_worker": "shoal.worker.context",
     "secede": "shoal.worker.context",
@@ -100,6 +103,9 @@ __all__ = [
     "Client",
     "Future",
     "LocalCluster",
+    "SSHCluster",
+    "SlurmCluster",
+    "DeployError",
     "as_completed",
     "wait",
     "progress",

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -133,7 +134,29 @@ def _scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+def route_address(address: str) -> str:
+    """The address of this host's interface that routes to ``address``'s host (a
+    datagram socket's connect: nothing is sent), for ``shoal worker --host auto``."""
+    import socket
+
+    from .comm.core import parse_address
+
+    location = parse_address(address)[1]
+    host, _, port = location.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port) if port.isdigit() else 9))
+        return str(s.getsockname()[0])
+
+
 def _worker(args: argparse.Namespace) -> int:
+    if args.host == "auto":
+        try:
+            args.host = route_address(args.address)
+        except (OSError, ValueError) as exc:
+            _say(f"--host auto: no route to the scheduler at {args.address}: {exc}")
+            return 1
     if not args.no_nanny and not args.nanny_address:
         return _nannies(args)
     if args.nworkers > 1:
@@ -508,7 +531,9 @@ def parser() -> argparse.ArgumentParser:
                         help="how long to wait for the scheduler: when started before it, and after losing it "
                              "(it is joined again when it comes back at ADDRESS); a scheduler that tells its "
                              "workers to close is obeyed at once. 0: no waiting")
-    worker.add_argument("--host", default="127.0.0.1", help="interface to listen on for peers (a free port)")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="interface to listen on for peers (a free port); auto: the one that routes to "
+                             "the scheduler")
     worker.add_argument("--memory-limit", type=_memory_limit_argument, default="auto", metavar="LIMIT",
                         help="memory of each worker: a size (4GiB, 500MB, bytes), a fraction of the host's "
                              "memory (0.5), auto (the host's memory, or its cgroup's limit, divided among "
@@ -526,7 +551,96 @@ def parser() -> argparse.ArgumentParser:
                         help="the address of the nanny that started this worker (set by the nanny)")
     _security_arguments(worker)
     worker.set_defaults(func=_worker)
+    ssh = command("ssh", "run a cluster on HOSTS through ssh: the scheduler on the first, workers on the others; "
+                         "prints the addresses, runs until Ctrl-C")
+    ssh.add_argument("hosts", metavar="HOST", nargs="+",
+                     help="[USER@]HOST: the scheduler's host first, then one per group of workers (a host may "
+                          "be named twice; name the first again for workers there too)")
+    ssh.add_argument("--nworkers", type=_positive, default=1, help="worker processes per worker host")
+    ssh.add_argument("--nthreads", type=_positive, default=1, help="threads running tasks, per worker")
+    ssh.add_argument("--memory-limit", type=_memory_limit_argument, default="auto", metavar="LIMIT",
+                     help="memory of each worker, as for 'shoal worker --memory-limit'")
+    ssh.add_argument("--scheduler-port", type=int, default=DEFAULT_SCHEDULER_PORT,
+                     help="the scheduler's port on its host (0: a free one)")
+    ssh.add_argument("--dashboard-address", default=":8790", metavar="[HOST]:PORT", type=_dashboard_argument,
+                     help="where the scheduler serves its dashboard (no HOST: the scheduler's host)")
+    ssh.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
+    ssh.add_argument("--ssh-user", default="", help="user to log in as (default: ssh's: its config, or yours)")
+    ssh.add_argument("--ssh-port", type=int, default=0, help="port of the hosts' sshd (default: ssh's, 22)")
+    ssh.add_argument("--ssh-key", action="append", default=[], metavar="FILE",
+                     help="a private key to log in with (repeatable; default: ssh's, and its agent)")
+    ssh.add_argument("--known-hosts", default="", metavar="FILE",
+                     help="known-hosts file the hosts' keys are checked against (default: ssh's)")
+    ssh.add_argument("--ssh-config", default="", metavar="FILE", help="an ssh_config file for ssh's -F")
+    ssh.add_argument("--ssh-option", action="append", default=[], metavar="NAME=VALUE",
+                     help="more options for ssh's -o (repeatable)")
+    ssh.add_argument("--remote-python", default=sys.executable, metavar="PATH",
+                     help="the Python with shoal installed on the hosts (default: this one's path)")
+    ssh.set_defaults(func=_ssh)
     return p
+
+
+def _ssh(args: argparse.Namespace) -> int:
+    """``shoal ssh HOST...``: an :class:`~shoal.deploy.ssh.SSHCluster` until SIGINT or
+    SIGTERM. The secret goes to an auth file of this user here, so clients on this
+    machine find it for the scheduler's address; it is removed at the end."""
+    from .comm import security
+    from .deploy.spec import DeployError
+    from .deploy.ssh import SSHCluster
+
+    connect: dict[str, Any] = {}
+    if args.ssh_user:
+        connect["username"] = args.ssh_user
+    if args.ssh_port:
+        connect["port"] = args.ssh_port
+    if args.ssh_key:
+        connect["client_keys"] = args.ssh_key
+    if args.known_hosts:
+        connect["known_hosts"] = args.known_hosts
+    if args.ssh_config:
+        connect["config"] = args.ssh_config
+    options = {}
+    for item in args.ssh_option:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            print(f"shoal ssh: --ssh-option wants NAME=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        options[name] = value
+    if options:
+        connect["options"] = options
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster = SSHCluster(args.hosts, connect_options=connect, remote_python=args.remote_python,
+                             worker_options={"n_workers": args.nworkers, "nthreads": args.nthreads,
+                                             "memory_limit": args.memory_limit},
+                             scheduler_options={"port": args.scheduler_port,
+                                                "dashboard_address": None if args.no_dashboard
+                                                else args.dashboard_address})
+    except (DeployError, ValueError, TypeError) as exc:
+        print(f"shoal ssh: {exc}", file=sys.stderr, flush=True)
+        return 1
+    written = ""
+    try:
+        print(f"shoal scheduler at {cluster.scheduler_address}", flush=True)
+        for addresses in cluster.worker_addresses.values():
+            for address in addresses:
+                print(f"shoal worker at {address}", flush=True)
+        if cluster.security.auth:
+            written = security.write_auth_file(cluster.scheduler_address, cluster.security)
+            print(f"shoal scheduler auth file {written}", flush=True)
+        stop.wait()
+    finally:
+        cluster.close()
+        if written:
+            security.remove_auth_file(cluster.scheduler_address, cluster.security)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

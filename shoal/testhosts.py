@@ -32,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,6 +142,30 @@ class Host:
             raise OSError(f"nft on {self.name}: {done.stderr.strip()}")
 
 
+def _kill_namespace(netns: str) -> None:
+    """SIGKILL every process left in network namespace ``netns``."""
+    for _ in range(3):  # (one that forked meanwhile leaves a child: look again)
+        done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30)
+        pids = [int(p) for p in done.stdout.split() if p.isdigit()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:  # reaped by whoever is their parent; wait until they are gone
+            deadline = time.monotonic() + 5.0
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        if f.read().rpartition(")")[2].split()[0] == "Z":
+                            break  # a zombie: dead, its parent reaps it
+                except OSError:
+                    break
+                time.sleep(0.01)
+
+
 class TestHosts:
     """``n`` test hosts (see the module); ``shm_size``: each host's /dev/shm (a tmpfs
     size, as ``mount -o size=``)."""
@@ -236,6 +261,10 @@ class TestHosts:
                     except OSError:
                         pass
         self.processes.clear()
+        # what those started in turn in sessions of their own (an sshd's logins) is
+        # still in the namespaces: it goes too
+        for netns in self._namespaces:
+            _kill_namespace(netns)
         for netns in reversed(self._namespaces):
             subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
         self._namespaces.clear()

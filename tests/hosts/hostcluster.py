@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -97,9 +98,9 @@ class ClientSession:
     changes the network): ``step(code)`` runs ``code`` there, with ``c`` and ``W`` as in
     :func:`on_client_host` and the names of earlier steps, and returns its ``out``."""
 
-    def __init__(self, cluster: dict[str, Any]):
+    def __init__(self, cluster: dict[str, Any], preamble: str | None = None):
         self.process = cluster["hosts"][0].popen(
-            [sys.executable, "-c", _REPL, _preamble(cluster)], env=cluster["env"],
+            [sys.executable, "-c", _REPL, _preamble(cluster) if preamble is None else preamble], env=cluster["env"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._line() == "READY"
 
@@ -121,7 +122,53 @@ class ClientSession:
         return reply["out"]
 
     def close(self) -> None:
-        self.step("c.close()")
+        self.step("if 'c' in globals(): c.close()")
         assert self.process.stdin is not None
         self.process.stdin.close()
         self.process.wait(timeout=30)
+
+
+#: an sshd of a test host: root logs in with the test's key only
+_SSHD_CONFIG = """\
+ListenAddress {ip}
+Port 22
+HostKey {dir}/host_key
+AuthorizedKeysFile {dir}/authorized_keys
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PidFile none
+PrintMotd no
+"""
+
+
+def start_sshd(hosts: TestHosts, base: Path) -> dict[str, str]:
+    """An sshd (Debian's openssh-server) on every test host, with keys made here; returns
+    ``{"key": the client's private key, "known_hosts": a file of the hosts' keys}``.
+    The daemons (and their logins) stop with the hosts."""
+    sshd = "/usr/sbin/sshd"
+    if not os.path.exists(sshd) or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        pytest.fail("the ssh tests need sshd and ssh (Debian's openssh-server and openssh-client)")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    keys = base / "ssh"
+    keys.mkdir(mode=0o700)
+    for name in ("host_key", "id"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True,
+                       capture_output=True, timeout=30)
+    (keys / "authorized_keys").write_text((keys / "id.pub").read_text())
+    host_key = (keys / "host_key.pub").read_text().split()
+    (keys / "known_hosts").write_text("".join(f"{h.ip} {host_key[0]} {host_key[1]}\n" for h in hosts))
+    for h in hosts:
+        config = keys / f"sshd_config_{h.name}"
+        config.write_text(_SSHD_CONFIG.format(ip=h.ip, dir=keys))
+        check = subprocess.run([sshd, "-t", "-f", str(config)], capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stderr
+        h.popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for h in hosts:  # each answers before the test goes on
+        done = h.run(["ssh", "-T", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={keys / 'known_hosts'}",
+                      "-o", "ConnectionAttempts=20", "-i", str(keys / "id"), h.ip, "true"], timeout=60)
+        assert done.returncode == 0, done.stderr
+    return {"key": str(keys / "id"), "known_hosts": str(keys / "known_hosts")}

@@ -69,6 +69,30 @@ out = {"sums": [first, second], "before": before, "after": after, "a1": a1, "b1"
     assert moved[b2]["shm"] >= size and moved[b2]["tcp"] < size and moved[b1]["tcp"] < size, moved
 
 
+def test_scattered_and_broadcast_values_reach_every_host(cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+import numpy as np
+(a1, a2), (b1, b2) = W["host1"], W["host2"]
+arr = np.arange(1 << 18, dtype="float64")  # 2 MB: kept in segments where it lands
+[x] = c.scatter([arr], workers=[a1])
+sums = [c.submit(lambda v: float(v.sum()), x, workers=[w], pure=False).result() for w in (b1, b2)]
+holders = sorted(c.who_has([x])[x.key])
+[y] = c.scatter([arr * 2], broadcast=True)
+everywhere = sorted(c.who_has([y])[y.key])
+bsums = [c.submit(lambda v: float(v.sum()), y, workers=[w], pure=False).result() for w in (a1, a2, b1, b2)]
+out = {"sums": sums, "holders": holders, "everywhere": everywhere, "bsums": bsums, "a1": a1,
+       "all": sorted([a1, a2, b1, b2]), "host2": [b1, b2]}
+""")
+    total = float(sum(range(1 << 18)))
+    assert out["sums"] == [total] * 2
+    # scattered to a1, read on host 2 twice: it crossed once, to one holder there
+    assert len(out["holders"]) == 2 and out["a1"] in out["holders"]
+    assert len(set(out["holders"]) & set(out["host2"])) == 1
+    # broadcast: a copy on every worker of every host, each of them right
+    assert out["everywhere"] == out["all"]
+    assert out["bsums"] == [2 * total] * 4
+
+
 def test_dask_arrays_run_across_hosts(cluster: dict[str, Any]) -> None:
     pytest.importorskip("dask.array")
     out = on_client_host(cluster, """

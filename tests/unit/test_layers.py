@@ -54,7 +54,8 @@ def test_state_machines_do_no_io():
 
 def test_public_api_is_pinned():
     assert sorted(shoal.__all__) == sorted([
-        "__version__", "Client", "Future", "LocalCluster", "as_completed", "wait",
+        "__version__", "Client", "Future", "LocalCluster", "SSHCluster", "SlurmCluster", "DeployError",
+        "as_completed", "wait",
         "CancelledError", "GraphError", "InvalidKeyError", "KilledWorker", "LostDataError",
         "CommBrokenError", "CommClosedError", "CommConnectError", "CommError",
         "DeserializationError", "HandshakeError", "ProtocolError", "RemoteError",
