@@ -144,9 +144,10 @@ class DeployedCluster(abc.ABC):
     """A scheduler and groups of worker processes started by a :class:`Launcher`; a
     context manager (``async with`` when ``asynchronous=True``).
 
-    Subclasses say where the scheduler runs (:meth:`_scheduler_spec`) and how each
-    group of workers is started (:meth:`_worker_spec`); a group runs ``workers_per_group``
-    worker processes. ``scale(n)`` runs ``n`` worker processes in all (rounded up to
+    Subclasses say how the scheduler runs (:meth:`_scheduler_spec`, or in this process:
+    :meth:`_start_scheduler`) and how each group of workers is started
+    (:meth:`_worker_spec`); a group runs ``workers_per_group`` worker processes, and
+    ``scale`` waits for them to join unless ``wait_for_groups`` is false (batch jobs). ``scale(n)`` runs ``n`` worker processes in all (rounded up to
     whole groups), starting new groups or stopping the newest first;
     ``get_logs()`` is ``{"Scheduler": text, group name: text, ...}``; ``close()`` stops
     the workers, then the scheduler. ``Client(cluster)`` connects with the cluster's
