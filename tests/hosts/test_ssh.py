@@ -16,6 +16,7 @@ import pytest
 from hostcluster import ClientSession, require_hosts, start_sshd
 
 from shoal.testhosts import TestHosts
+from shoal.testing import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,6 +104,22 @@ out = {"up": up, "groups_up": groups_up, "down": down, "groups_down": dict(clust
         assert scaled["again"] == 7
         assert not _shoal_processes(h2)  # worker-1's processes are gone from host 2
 
+        # the session of a group dies (its ssh client killed, as by a broken link): its
+        # workers stop on their host and leave; the next scale() replaces the group
+        lost = s.step("""
+import os, signal
+from shoal.testing import wait_for
+gone = list(cluster.worker_addresses["worker-0"])
+os.kill(cluster.workers["worker-0"].proc.pid, signal.SIGKILL)
+wait_for(lambda: not set(gone) & set(c.scheduler_info()["workers"]), timeout=60, what="its workers to leave")
+cluster.scale(2)
+out = {"workers": sorted(c.scheduler_info()["workers"]), "groups": sorted(cluster.workers),
+       "again": c.submit(lambda: 8).result(timeout=60)}
+""")
+        wait_for(lambda: not _shoal_processes(h1), timeout=60, what="host 1's processes to end")
+        assert lost["groups"] == ["worker-3"] and lost["again"] == 8
+        assert [a.split("//")[1].split(":")[0] for a in lost["workers"]] == [h2.ip] * 2
+
         logs = s.step("""
 logs = cluster.get_logs()
 out = {k: v for k, v in logs.items()}
@@ -111,7 +128,7 @@ cluster.close()
 out["status"] = cluster.status
 """)
         assert logs.pop("status") == "closed"
-        assert set(logs) == {"Scheduler", "worker-0", "worker-1", "worker-2"}
+        assert set(logs) == {"Scheduler", "worker-0", "worker-1", "worker-2", "worker-3"}
         assert "shoal scheduler at " + started["address"] in logs["Scheduler"]
         assert logs["worker-1"].count("shoal worker at ") == 2
         # closed: nothing of shoal is left on any host
