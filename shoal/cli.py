@@ -134,24 +134,10 @@ def _scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
-def route_address(address: str) -> str:
-    """The address of this host's interface that routes to ``address``'s host (a
-    datagram socket's connect: nothing is sent), for ``shoal worker --host auto``."""
-    import socket
-
-    from .comm.core import parse_address
-
-    location = parse_address(address)[1]
-    host, _, port = location.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, int(port) if port.isdigit() else 9))
-        return str(s.getsockname()[0])
-
-
 def _worker(args: argparse.Namespace) -> int:
     if args.host == "auto":
+        from .comm.core import route_address
+
         try:
             args.host = route_address(args.address)
         except (OSError, ValueError) as exc:

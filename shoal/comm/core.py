@@ -37,6 +37,7 @@ __all__ = [
     "connect",
     "listen",
     "parse_address",
+    "route_address",
     "local_info",
     "host_identity",
     "Handler",
@@ -227,6 +228,21 @@ def parse_address(address: str) -> tuple[str, str]:
     if not sep:
         return "tcp", address
     return scheme, location
+
+
+def route_address(address: str) -> str:
+    """The address of this host's interface that routes to ``address``'s host (a
+    datagram socket's connect looks the route up: nothing is sent). Raises ``OSError``
+    when there is no route, ``ValueError`` for an address without a host."""
+    location = parse_address(address)[1]
+    host, _, port = location.rpartition(":")
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"no host in address {address!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port) if port.isdigit() else 9))
+        return str(s.getsockname()[0])
 
 
 async def connect(address: str, timeout: float | None = None, deserialize: bool = True,

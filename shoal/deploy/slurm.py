@@ -22,16 +22,17 @@ import math
 import os
 import re
 import shlex
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..comm.core import route_address
 from ..comm.security import Security, write_secret
 from ..worker.memory import parse_memory_limit
 from .adaptive import Adaptive
+from .local import _hostport
 from .spec import DeployedCluster, DeployError, Launched, Launcher, ProcessSpec
 
 __all__ = ["SlurmCluster", "SlurmLauncher"]
@@ -191,11 +192,9 @@ class SlurmLauncher(Launcher):
 
 def _default_host() -> str:
     """An address of this host that other hosts can reach: the one of the interface
-    with the default route (a datagram socket's connect: nothing is sent)."""
+    with the default route."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # (TEST-NET-1: only the route is looked up)
-            return str(s.getsockname()[0])
+        return route_address("tcp://192.0.2.1:9")  # (TEST-NET-1: only the route is looked up)
     except OSError:
         return "127.0.0.1"
 
@@ -283,8 +282,7 @@ class SlurmCluster(DeployedCluster):
         opts = self.scheduler_options
         host = str(opts.get("host") or _default_host())
         self.scheduler = Scheduler(security=self.security, dashboard_address=opts.get("dashboard_address"))
-        hostport = f"[{host}]:{int(opts.get('port', 0))}" if ":" in host else f"{host}:{int(opts.get('port', 0))}"
-        await self.scheduler.start(f"tcp://{hostport}")
+        await self.scheduler.start(f"tcp://{_hostport(host, int(opts.get('port', 0)))}")
         self.scheduler_address = self.scheduler.address
         if self.security.secret is not None:
             write_secret(self._secret_file, self.security.secret)
@@ -361,9 +359,7 @@ class SlurmCluster(DeployedCluster):
         assert self._lock is not None
         async with self._lock:
             chosen = [name for name in names if name in self.workers]
-            gone = [a for name in chosen for a in self.worker_addresses.get(name, [])]
-            await asyncio.gather(*(self._stop_group(name) for name in chosen))
-            await self._until_gone(gone)
+            await self._stop_groups(chosen)
             return chosen
 
     def adapt(self, minimum: int = 0, maximum: float = math.inf, interval: float | str = "1s",

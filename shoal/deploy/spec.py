@@ -282,10 +282,14 @@ class DeployedCluster(abc.ABC):
             if groups > have:
                 await self._add_groups(groups - have)
             elif groups < have:
-                newest = list(self.workers)[groups:]
-                gone = [a for name in newest for a in self.worker_addresses.get(name, [])]
-                await asyncio.gather(*(self._stop_group(name) for name in newest))
-                await self._until_gone(gone)
+                await self._stop_groups(list(self.workers)[groups:])
+
+    async def _stop_groups(self, names: list[str]) -> None:
+        """Stop the groups ``names`` and return once the scheduler lists none of
+        their workers."""
+        gone = [a for name in names for a in self.worker_addresses.get(name, [])]
+        await asyncio.gather(*(self._stop_group(name) for name in names))
+        await self._until_gone(gone)
 
     async def _stop_group(self, name: str) -> None:
         launched = self.workers.pop(name, None)
