@@ -655,6 +655,22 @@ def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str) -> 
     return msg
 
 
+def _send_step(sock: socket.socket, msg: dict[str, Any], deadline: float) -> None:
+    """Send a handshake step. A peer that refused us wrote ``handshake-refused`` and
+    closed, so our send may break on its reset: the reason is then already waiting in
+    our receive buffer, and it is the error to report."""
+    try:
+        send_frames(sock, encode(msg), deadline)
+    except WireError as broke:
+        try:
+            said = decode(recv_frames(sock, min(deadline, time.monotonic() + 1.0)))
+        except (OSError, WireError, EOF, TimeoutError):
+            raise broke from None
+        if isinstance(said, dict) and said.get("op") == "handshake-refused":
+            raise WireError(f"refused: {said.get('reason')}") from None
+        raise
+
+
 def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = None,
               shm: bool = False, secret: bytes | None = None, connector: bool = True,
               reads: str | None = None) -> dict[str, Any]:
@@ -683,14 +699,14 @@ def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = No
             step2["shm_probe"] = list(probe)
         if reads is not None:
             step2["reads"] = reads  # e.g. "neutral": we decode no pickle
-        send_frames(sock, encode(step2), deadline)
+        _send_step(sock, step2, deadline)
         info = _handshake_msg(sock, deadline, stop, "handshake-auth")
         if secret is not None and not hmac.compare_digest(
             auth_proof(secret, peer_role, nonce_c, nonce_a), info.get("proof") or b""
         ):
             raise WireError("the peer's proof is wrong")
         can_map = shm and check_probe(info.get("shm_probe"))
-        send_frames(sock, encode({"op": "handshake-shm", "can_map": can_map}), deadline)
+        _send_step(sock, {"op": "handshake-shm", "can_map": can_map}, deadline)
         answer = _handshake_msg(sock, deadline, stop, "handshake-shm")
     finally:
         if probe is not None:
