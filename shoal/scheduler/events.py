@@ -65,7 +65,7 @@ class RemoveClientEvent(Event):
     client: str
 
 
-@dataclass
+@dataclass(slots=True)
 class NewTask:
     """One task of a graph: dependencies are keys; ``payload`` stays opaque."""
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "PrefixGroup", "dependents_closure",
-           "find_cycle", "topological"]
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue",
+           "RoomIndex", "dependents_closure", "find_cycle", "topological"]
 
 
 #: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
@@ -43,6 +44,26 @@ class PrefixGroup:
 
 
 # ------------------------------------------------------------------------- the model
+
+
+class _NoneYet(frozenset):  # type: ignore[type-arg]
+    """The empty set a task's sets start as, shared by all of them: a set costs 216
+    bytes, and most tasks never need some of theirs (who holds it, who wants it, who
+    waits for it). Reading, ``discard`` and ``clear`` work as on an empty set; adding
+    goes through :class:`TaskState`'s methods, which put a set of the task's own in
+    its place first."""
+
+    __slots__ = ()
+
+    def discard(self, item: object) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+#: the one :class:`_NoneYet` (as a set of anything: reads are all it takes)
+NONE_YET: set[Any] = cast("set[Any]", _NoneYet())
 
 
 @dataclass(eq=False)
@@ -81,22 +102,26 @@ class WorkerState:
         return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TaskState:
+    """One task as the scheduler knows it. Its sets start as the shared empty
+    :data:`NONE_YET`: add to them with the methods below, never with ``.add``."""
+
     key: Key
     payload: Any = None
     state: TState = "released"
     #: (-user priority, graph generation, order in the graph): lower runs first
     priority: tuple[int, ...] = (0, 0, 0)
-    dependencies: set[TaskState] = field(default_factory=set)
-    dependents: set[TaskState] = field(default_factory=set)
+    #: its inputs, in priority order (fixed when it is made; emptied when it is forgotten)
+    dependencies: tuple[TaskState, ...] = ()
+    dependents: set[TaskState] = field(default=NONE_YET)
     #: dependencies not in memory yet
-    waiting_on: set[TaskState] = field(default_factory=set)
+    waiting_on: set[TaskState] = field(default=NONE_YET)
     #: dependents that have yet to run and need this value
-    waiters: set[TaskState] = field(default_factory=set)
-    who_has: set[WorkerState] = field(default_factory=set)
+    waiters: set[TaskState] = field(default=NONE_YET)
+    who_has: set[WorkerState] = field(default=NONE_YET)
     processing_on: WorkerState | None = None
-    who_wants: set[str] = field(default_factory=set)
+    who_wants: set[str] = field(default=NONE_YET)
     #: where it may run: worker addresses, names or hosts (None: anywhere)
     restrictions: set[str] | None = None
     #: ``restrictions`` are a preference (allow_other_workers)
@@ -130,23 +155,169 @@ class TaskState:
     def __lt__(self, other: TaskState) -> bool:
         return self.priority < other.priority
 
+    def want(self, client: str) -> None:
+        """``client`` wants this value."""
+        if self.who_wants is NONE_YET:
+            self.who_wants = set()
+        self.who_wants.add(client)
+
+    def add_dependent(self, ts: TaskState) -> None:
+        if self.dependents is NONE_YET:
+            self.dependents = set()
+        self.dependents.add(ts)
+
+    def add_waiter(self, ts: TaskState) -> None:
+        """The dependent ``ts`` has yet to run and needs this value."""
+        if self.waiters is NONE_YET:
+            self.waiters = set()
+        self.waiters.add(ts)
+
+    def wait_on(self, dep: TaskState) -> None:
+        """This task waits for its input ``dep`` to be in memory."""
+        if self.waiting_on is NONE_YET:
+            self.waiting_on = set()
+        self.waiting_on.add(dep)
+
+    def add_holder(self, ws: WorkerState) -> None:
+        if self.who_has is NONE_YET:
+            self.who_has = set()
+        self.who_has.add(ws)
+
+
+# --------------------------------------------------------------------- the indexes
+
+
+class TaskQueue:
+    """The queued tasks, first by priority: a heap whose removals are lazy.
+
+    Taking a task out of the middle (it was released, cancelled, its worker died) only
+    forgets it as a member, in O(1); its heap entry is skipped when it comes up, and
+    the heap is rebuilt once more than half of it is such entries. So release, cancel
+    and a client leaving cost what they touch, not the length of the queue.
+    """
+
+    __slots__ = ("_heap", "_members", "restricted")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, ...], TaskState]] = []
+        self._members: set[TaskState] = set()
+        #: the queued tasks that may run only on the workers they name (``workers=``,
+        #: strictly): the only ones a worker's leaving can make unrunnable
+        self.restricted: set[TaskState] = set()
+
+    def push(self, ts: TaskState) -> None:
+        self._members.add(ts)
+        if ts.restrictions is not None and not ts.loose_restrictions:
+            self.restricted.add(ts)
+        # priorities are unique: tuples compare in C, never reaching the tasks
+        heapq.heappush(self._heap, (ts.priority, ts))
+
+    def pop(self) -> TaskState:
+        """The first task by priority, taken out (``IndexError`` when empty)."""
+        heap, members = self._heap, self._members
+        while True:
+            ts = heapq.heappop(heap)[1]
+            if ts in members:
+                members.discard(ts)
+                self.restricted.discard(ts)
+                return ts
+
+    def remove(self, ts: TaskState) -> None:
+        """Take ``ts`` out (``KeyError`` if it is not queued)."""
+        self._members.remove(ts)
+        self.restricted.discard(ts)
+        if len(self._heap) > 2 * len(self._members) + 64:
+            self._heap = sorted((t.priority, t) for t in self._members)  # a sorted list is a heap
+
+    def __contains__(self, ts: object) -> bool:
+        return ts in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __bool__(self) -> bool:
+        return bool(self._members)
+
+    def __iter__(self) -> Iterator[TaskState]:
+        """The queued tasks in priority order."""
+        return iter(sorted(self._members))
+
+
+class RoomIndex:
+    """The workers with room for a task, least busy first (busy: processing tasks
+    per thread; ties by address), as a heap of ``(busy, address, version, worker)``.
+
+    The state calls :meth:`update` whenever a worker's load or room may have changed;
+    that bumps the worker's version, so its older entries are skipped when they come
+    up. :meth:`best` is then O(log N) amortized: placement never walks every worker.
+    """
+
+    __slots__ = ("_heap", "_version", "_count")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, str, int, WorkerState]] = []
+        #: address -> the version of its one valid entry (versions never repeat, so an
+        #: entry of a worker that left matches no worker that comes back at its address)
+        self._version: dict[str, int] = {}
+        self._count = 0
+
+    def update(self, ws: WorkerState, has_room: bool) -> None:
+        self._count = v = self._count + 1
+        self._version[ws.address] = v
+        if has_room:
+            heapq.heappush(self._heap, (len(ws.processing) / ws.nthreads, ws.address, v, ws))
+            if len(self._heap) > 4 * len(self._version) + 64:
+                self._compact()
+
+    def discard(self, ws: WorkerState) -> None:
+        """``ws`` left the cluster."""
+        self._version.pop(ws.address, None)
+
+    def best(self) -> WorkerState | None:
+        """The least busy worker with room, or None; it stays in the index."""
+        heap, version = self._heap, self._version
+        while heap:
+            _, address, v, ws = heap[0]
+            if version.get(address) == v:
+                return ws
+            heapq.heappop(heap)
+        return None
+
+    def with_room(self) -> dict[str, float]:
+        """address -> busy, of the workers the index holds as having room (for
+        ``validate()``)."""
+        version = self._version
+        return {e[1]: e[0] for e in self._heap if version.get(e[1]) == e[2]}
+
+    def _compact(self) -> None:
+        version = self._version
+        self._heap = [e for e in self._heap if version.get(e[1]) == e[2]]
+        heapq.heapify(self._heap)
+
 
 # -------------------------------------------------------------------------- the state
 
 
-def dependents_closure(ts: TaskState) -> list[TaskState]:
+def dependents_closure(ts: TaskState, seen: set[TaskState] | None = None) -> list[TaskState]:
     """Every task built on ``ts``, directly or not, in priority order (sets of tasks
-    iterate in an order of memory addresses: sorted, a replay decides the same)."""
-    seen = {ts}
+    iterate in an order of memory addresses: sorted, a replay decides the same).
+
+    With ``seen``, tasks in it are left out and not walked through, and those found
+    are added to it: the closures of many tasks (every future along a chain) then
+    cost one walk over the graph, not one per task."""
+    if seen is None:
+        seen = set()
+    found: list[TaskState] = []
     stack = list(ts.dependents)
     while stack:
         d = stack.pop()
-        if d in seen:
+        if d in seen or d is ts:
             continue
         seen.add(d)
+        found.append(d)
         stack.extend(d.dependents)
-    seen.discard(ts)
-    return sorted(seen)
+    found.sort()
+    return found
 
 
 def find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:

@@ -54,7 +54,6 @@ The scheduler never looks inside a task's payload: it holds it opaque and forwar
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -96,6 +95,8 @@ from .progress import key_prefix
 from .model import (
     InvalidTransition,
     PrefixGroup,
+    RoomIndex,
+    TaskQueue,
     TaskState,
     WorkerState,
     dependents_closure,
@@ -149,6 +150,15 @@ __all__ = [
 DEFAULT_AHEAD = 2
 #: a task that was running on this many workers when they died errs with KilledWorker
 ALLOWED_FAILURES = 3
+#: a dependent goes to the worker that holds most of its inputs even when that worker
+#: is full, up to this many times its room: moving the inputs costs more than waiting
+_HOLDER_OVERFILL = 2
+#: root tasks are placed with their siblings (the other inputs of a dependent) when
+#: they have at most this many dependents, each with at most this many inputs
+_SIBLING_DEPENDENTS, _SIBLING_INPUTS = 4, 4
+#: task durations recorded between two changes of how many tasks a worker gets ahead
+#: (each change looks at every worker once)
+_AHEAD_EVERY = 100
 
 
 class SchedulerState(TaskTransitions):
@@ -169,7 +179,16 @@ class SchedulerState(TaskTransitions):
         self.allowed_failures = allowed_failures
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
-        self.queued: list[TaskState] = []  # heap by priority
+        self.queued = TaskQueue()
+        #: the workers with room, least busy first (kept up to date by _touch)
+        self.room = RoomIndex()
+        #: workers whose room may have grown during the current event: handle() fills
+        #: them from the queue (an ordered set: the order is the order of the events)
+        self._opened: dict[WorkerState, None] = {}
+        #: tasks a worker holds per thread beyond one (see _ahead_per_thread), as of
+        #: the last change
+        self._ahead_now = ahead
+        self._durations_recorded = 0
         #: language -> queued tasks of it: a worker that runs none of them skips the queue
         self.queued_languages: dict[str, int] = {}
         #: the known tasks counted by key prefix and state (the dashboard's progress)
@@ -220,9 +239,9 @@ class SchedulerState(TaskTransitions):
             self._instructions = out
             self.log.event(event, first=i == 0)
             self._handlers[type(event)](event)
-            if self.queued and type(event) is not HeartbeatEvent:
-                # slots may have opened anywhere (finished, cancelled, released tasks)
-                self._fill_all()
+            if self._opened:
+                # slots opened on these workers (finished, cancelled, released tasks)
+                self._fill_opened()
         self._instructions = []
         return out
 
@@ -255,7 +274,7 @@ class SchedulerState(TaskTransitions):
         if "python" not in ws.languages:
             self.non_python_workers += 1
         # tasks that failed for want of this worker, or were waiting for any worker
-        self._fill(self.workers[ev.address])
+        self._touch(ws)
 
     def _remove_worker(self, ev: RemoveWorkerEvent) -> None:
         ws = self.workers.pop(ev.address, None)
@@ -264,6 +283,8 @@ class SchedulerState(TaskTransitions):
 
     def _drop_worker(self, ws: WorkerState, crashed: bool) -> None:
         """Reschedule the tasks of ``ws``, no longer in ``self.workers``, and forget its values."""
+        self.room.discard(ws)
+        self._opened.pop(ws, None)
         if "python" not in ws.languages:
             self.non_python_workers -= 1
         recs: dict[TaskState, str] = {}
@@ -286,7 +307,7 @@ class SchedulerState(TaskTransitions):
                 self._lost_value(ts, recs)
         ws.has_what.clear()
         # queued tasks that may only run on workers that are all gone now
-        for ts in sorted(self.queued):
+        for ts in sorted(self.queued.restricted):
             if self._nowhere(ts):
                 self._dequeue(ts)
                 recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
@@ -301,6 +322,7 @@ class SchedulerState(TaskTransitions):
         gone = expired(self.workers.values(), ev.now, self.worker_ttl)
         for ws, _ in gone:  # all of them first: none may take over another's tasks
             del self.workers[ws.address]
+            self.room.discard(ws)
         for ws, silent in gone:
             self._emit(CloseWorkerStream(self._stimulus, ws.address, silent))
             self._drop_worker(ws, crashed=True)
@@ -322,7 +344,7 @@ class SchedulerState(TaskTransitions):
         for key in ev.keys:
             ts = self.tasks.get(key)
             if ts is not None and ts.state in ("released", "waiting", "queued", "processing"):
-                ts.who_wants.add(FIRE_AND_FORGET)
+                ts.want(FIRE_AND_FORGET)
 
     def _add_client(self, ev: AddClientEvent) -> None:
         self.clients.add(ev.client)
@@ -359,17 +381,21 @@ class SchedulerState(TaskTransitions):
             ts.language = t.language
             self.tasks[key] = ts
             created.append(ts)
+        tasks = self.tasks
         for ts in created:
+            names = new[ts.key].dependencies
+            if not names:
+                continue
             inputs = ts.group.dependencies if ts.group is not None else set()
-            for dep_key in new[ts.key].dependencies:
-                dep = self.tasks[dep_key]
-                ts.dependencies.add(dep)
-                dep.dependents.add(ts)
+            # in priority order once and for all: every walk over them goes in that order
+            ts.dependencies = deps = tuple(sorted({tasks[k] for k in names}))
+            for dep in deps:
+                dep.add_dependent(ts)
                 if dep.group is not None:
                     inputs.add(dep.group.name)
         for key in ev.wanted:
-            if key in self.tasks:
-                self.tasks[key].who_wants.add(ev.client)
+            if key in tasks:
+                tasks[key].want(ev.client)
         self.clients.add(ev.client)
         recs: dict[TaskState, str] = {}
         if any(t.priority for t in new.values()):
@@ -451,13 +477,19 @@ class SchedulerState(TaskTransitions):
 
     def _cancel_keys(self, ev: CancelKeysEvent) -> None:
         recs: dict[TaskState, str] = {}
+        seen: set[TaskState] = set()  # tasks cancelled already, with what is built on them
         for key in ev.keys:
             ts = self.tasks.get(key)
-            if ts is None:
+            if ts is None or ts in seen:
                 continue
             # a value in memory is only released; otherwise the client's futures on this
             # task and on everything built on it are cancelled
-            for dts in [ts] if ts.state == "memory" else [ts, *dependents_closure(ts)]:
+            if ts.state == "memory":
+                cancelled = [ts]
+            else:
+                seen.add(ts)
+                cancelled = [ts, *dependents_closure(ts, seen)]
+            for dts in cancelled:
                 if ev.client in dts.who_wants:
                     dts.who_wants.discard(ev.client)
                     self._emit(ClientMsg(self._stimulus, ev.client, to_wire(CancelledKeyMsg(dts.key))))
@@ -477,7 +509,7 @@ class SchedulerState(TaskTransitions):
             if ts is None:
                 ts = self.tasks[key] = TaskState(key, priority=(0, next(self._generation), 0))
                 self._join_group(ts)
-            ts.who_wants.add(ev.client)
+            ts.want(ev.client)
             if ts.state == "processing":
                 # a task is computing this key already: keep it; it will report the value,
                 # and copies elsewhere are not needed
@@ -552,24 +584,28 @@ class SchedulerState(TaskTransitions):
         if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
             return
         ws.long_running.add(ts)  # its slot is free: handle() fills it from the queue
+        self._touch(ws)
 
     def _worker_memory(self, ev: WorkerMemoryEvent) -> None:
         ws = self.workers.get(ev.worker)
         if ws is None:
             return
         ws.memory = ev.memory
-        # going on: handle() fills it from the queue after this event
-        ws.paused = ev.paused
+        if ws.paused != ev.paused:
+            # going on: handle() fills it from the queue after this event
+            ws.paused = ev.paused
+            self._touch(ws)
 
     def _capacity(self, ws: WorkerState) -> int:
         if ws.paused:
             return 0  # its memory is past the pause threshold: no new task goes there
         # seceded tasks hold no thread: the tasks they wait for must find room
-        return ws.nthreads * (1 + self._ahead_per_thread()) - len(ws.processing) + len(ws.long_running)
+        return ws.nthreads * (1 + self._ahead_now) - len(ws.processing) + len(ws.long_running)
 
     def _ahead_per_thread(self) -> int:
-        """Tasks a worker holds beyond one per thread: enough to stay busy for the time
-        a refill takes (short tasks need more), at least ``ahead``, at most ``max_ahead``."""
+        """Tasks a worker should hold beyond one per thread: enough to stay busy for
+        the time a refill takes (short tasks need more), at least ``ahead``, at most
+        ``max_ahead``."""
         avg = self.average_duration
         if avg <= 0:
             return self.ahead
@@ -582,17 +618,93 @@ class SchedulerState(TaskTransitions):
             duration = min(max(duration, _MIN_DURATION), _MAX_DURATION)
             avg = self.average_duration
             self.average_duration = duration if avg <= 0 else 0.9 * avg + 0.1 * duration
+            # a change of how far ahead workers are given tasks touches every worker:
+            # it happens at the first duration, then at most once per _AHEAD_EVERY
+            n = self._durations_recorded
+            self._durations_recorded = n + 1
+            if n % _AHEAD_EVERY == 0:
+                self._set_ahead(self._ahead_per_thread())
+
+    def _set_ahead(self, ahead: int) -> None:
+        if ahead != self._ahead_now:
+            self._ahead_now = ahead
+            for ws in self.workers.values():
+                self._touch(ws)
+
+    def _touch(self, ws: WorkerState) -> None:
+        """The load or the room of ``ws`` may have changed: keep the room index up to
+        date, and have handle() fill ``ws`` from the queue if it has room."""
+        if self.workers.get(ws.address) is not ws:
+            return  # leaving: its tasks are being taken off it (a liveness check drops several)
+        has_room = self._capacity(ws) > 0
+        self.room.update(ws, has_room)
+        if has_room:
+            self._opened[ws] = None
 
     def _decide_worker(self, ts: TaskState) -> WorkerState | None:
         """The worker with room that holds the most input bytes; then the least busy.
         Only workers that ``ts`` may run on count (``workers=``, resources free); with
-        loose restrictions, any worker when none of those has room."""
+        loose restrictions, any worker when none of those has room.
+
+        Unconstrained (the common case), this looks only at the holders of the inputs
+        and at the room index: its cost does not grow with the cluster."""
         if self._constrained(ts):
             best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run(ts, ws)])
             if best is None and ts.loose_restrictions:
                 best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run_loosely(ts, ws)])
             return best
-        return self._best_worker(ts, self.workers.values())
+        if ts.dependencies:
+            holder = self._best_holder(ts)
+        else:
+            holder = self._sibling_worker(ts)
+        return holder if holder is not None else self.room.best()
+
+    def _overfillable(self, ws: WorkerState) -> bool:
+        """Whether ``ws`` may take a task beyond its room (an input's holder, a
+        sibling): it is not paused and holds less than _HOLDER_OVERFILL times it."""
+        limit = _HOLDER_OVERFILL * ws.nthreads * (1 + self._ahead_now)
+        return not ws.paused and len(ws.processing) - len(ws.long_running) < limit
+
+    def _siblings(self, ts: TaskState) -> list[TaskState]:
+        """The other inputs of the dependents of ``ts`` (a few: see _SIBLING_*), in
+        priority order."""
+        if not ts.dependents or len(ts.dependents) > _SIBLING_DEPENDENTS:
+            return []
+        out: list[TaskState] = []
+        for dts in sorted(ts.dependents):
+            deps = dts.dependencies
+            if len(deps) <= _SIBLING_INPUTS:
+                out.extend(d for d in deps if d is not ts and d not in out)
+        return out
+
+    def _sibling_worker(self, ts: TaskState) -> WorkerState | None:
+        """The worker where a sibling of the root task ``ts`` runs (even beyond its
+        room, as a dependent goes to its inputs): the dependent then finds both its
+        inputs there (co-assignment)."""
+        for sib in self._siblings(ts):
+            ws = sib.processing_on
+            if ws is not None and self._overfillable(ws) and self.workers.get(ws.address) is ws:
+                return ws  # (not one that is leaving: a liveness check drops several at once)
+        return None
+
+    def _best_holder(self, ts: TaskState) -> WorkerState | None:
+        """Of the workers with room that hold inputs of ``ts``, the one holding the
+        most input bytes, then the least busy; None if none has room."""
+        local: dict[WorkerState, int] = {}
+        for d in ts.dependencies:
+            n = max(d.nbytes, 1)
+            for ws in d.who_has:
+                local[ws] = local.get(ws, 0) + n
+        best: WorkerState | None = None
+        best_score: tuple[float, float, str] | None = None
+        workers = self.workers
+        for ws, n in local.items():
+            if not self._overfillable(ws) or workers.get(ws.address) is not ws:
+                continue  # full, or leaving (a liveness check drops several at once)
+            score = (-n, len(ws.processing) / ws.nthreads, ws.address)
+            if best_score is None or score < best_score:
+                best, best_score = ws, score
+        return best
 
     def _constrained(self, ts: TaskState) -> bool:
         """Whether some worker may not run ``ts``: it names workers or asks for
@@ -634,19 +746,36 @@ class SchedulerState(TaskTransitions):
             return  # (a worker of another language beside a queue of Python tasks, or the reverse)
         skipped: list[TaskState] = []
         while self.queued and self._capacity(ws) > 0:
-            ts = heapq.heappop(self.queued)
+            ts = self.queued.pop()
             if self._constrained(ts) and not self._may_run(ts, ws) and not (
                     ts.loose_restrictions and self._may_run_loosely(ts, ws)):
                 skipped.append(ts)
                 continue
             self._uncount_queued(ts)
             self._recommend(self._transition(ts, "processing", ws))
+            if not ts.dependencies:
+                self._pull_siblings(ts, ws)
         for ts in skipped:
-            heapq.heappush(self.queued, ts)
+            self.queued.push(ts)
 
-    def _fill_all(self) -> None:
-        for ws in list(self.workers.values()):
-            self._fill(ws)
+    def _pull_siblings(self, ts: TaskState, ws: WorkerState) -> None:
+        """The root task ``ts`` went to ``ws`` from the queue: its queued siblings go
+        with it (beyond the room of ``ws`` if need be), so their dependent finds its
+        inputs in one place."""
+        for sib in self._siblings(ts):
+            if sib.state == "queued" and not self._constrained(sib) and self._overfillable(ws):
+                self._dequeue(sib)
+                self._recommend(self._transition(sib, "processing", ws))
+
+    def _fill_opened(self) -> None:
+        """Fill the workers whose room grew during this event from the queue."""
+        opened = self._opened
+        while opened and self.queued:
+            ws = next(iter(opened))
+            del opened[ws]
+            if self.workers.get(ws.address) is ws:
+                self._fill(ws)
+        opened.clear()
 
     # -- inspection
 

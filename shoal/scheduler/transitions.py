@@ -7,7 +7,6 @@ share. The theory of operation is in :mod:`shoal.scheduler.state`.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
-from .model import PrefixGroup, TaskState, TState, WorkerState
+from .model import PrefixGroup, TaskQueue, TaskState, TState, WorkerState
 
 __all__ = ["TaskTransitions"]
 
@@ -26,7 +25,7 @@ class TaskTransitions:
     # what the scheduler's state holds, used here (set by SchedulerState.__init__)
     tasks: dict[Any, TaskState]
     workers: dict[str, WorkerState]
-    queued: list[TaskState]
+    queued: TaskQueue
     #: language -> how many of the queued tasks are of it
     queued_languages: dict[str, int]
     groups: dict[str, PrefixGroup]
@@ -40,6 +39,9 @@ class TaskTransitions:
 
     @staticmethod
     def _allowed(ts: TaskState, ws: WorkerState) -> bool:
+        raise NotImplementedError  # placement: SchedulerState
+
+    def _touch(self, ws: WorkerState) -> None:
         raise NotImplementedError  # placement: SchedulerState
 
     def _recommend(self, recs: dict[TaskState, str]) -> None:
@@ -110,15 +112,14 @@ class TaskTransitions:
             return self._err(ts, None, None, text, kind="LostData")
         recs: dict[TaskState, str] = {}
         self._set_state(ts, "waiting")
-        ts.waiting_on = set()
-        for dep in sorted(ts.dependencies):
+        for dep in ts.dependencies:
             if dep.state == "erred":
                 blame = dep.exception_blame or dep
                 return self._err(ts, blame.exception, blame.traceback, blame.exception_text, blame=blame)
-        for dep in sorted(ts.dependencies):
-            dep.waiters.add(ts)
+        for dep in ts.dependencies:
+            dep.add_waiter(ts)
             if dep.state != "memory":
-                ts.waiting_on.add(dep)
+                ts.wait_on(dep)
                 if dep.state == "released":
                     recs[dep] = "waiting"
         if not ts.waiting_on:
@@ -154,10 +155,11 @@ class TaskTransitions:
             used = ws.used_resources
             for name, amount in ts.resources.items():
                 used[name] = used.get(name, 0) + amount
+        self._touch(ws)
         self._emit(ComputeTask(
             self._stimulus, ws.address, ts.key, ts.payload,
-            {d.key: sorted(w.address for w in d.who_has) for d in sorted(ts.dependencies)},
-            {d.key: d.nbytes for d in sorted(ts.dependencies)},
+            {d.key: sorted(w.address for w in d.who_has) for d in ts.dependencies},
+            {d.key: d.nbytes for d in ts.dependencies},
             ts.priority,
             {d.key: info for d in ts.dependencies if (info := self._shm_info(d, ws.host)) is not None},
             bool(ts.who_wants),
@@ -188,7 +190,7 @@ class TaskTransitions:
                 if not dts.waiting_on and dts.state == "waiting":
                     recs[dts] = "processing"
         ts.waiting_on.clear()
-        for dep in sorted(ts.dependencies):
+        for dep in ts.dependencies:
             dep.waiters.discard(ts)
             if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                 recs[dep] = "forgotten"
@@ -222,7 +224,7 @@ class TaskTransitions:
             ts.exception_text = ""
             ts.error_kind = ""
         self._set_state(ts, "released")
-        for dep in sorted(ts.dependencies):
+        for dep in ts.dependencies:
             dep.waiters.discard(ts)
             if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                 recs[dep] = "forgotten"
@@ -230,7 +232,7 @@ class TaskTransitions:
         # dependents still to run must wait for this value again
         for dts in ts.dependents:
             if dts.state == "waiting":
-                dts.waiting_on.add(ts)
+                dts.wait_on(ts)
         return recs
 
     def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
@@ -242,12 +244,12 @@ class TaskTransitions:
         recs: dict[TaskState, str] = {}
         self._set_state(ts, "forgotten")
         del self.tasks[ts.key]
-        for dep in sorted(ts.dependencies):
+        for dep in ts.dependencies:
             dep.dependents.discard(ts)
             dep.waiters.discard(ts)
             if not dep.dependents and not dep.who_wants and dep.state in ("released", "erred", "memory"):
                 recs[dep] = "forgotten"
-        ts.dependencies.clear()
+        ts.dependencies = ()
         return recs
 
     # -- helpers
@@ -258,28 +260,41 @@ class TaskTransitions:
 
         Returns recommendations: inputs nobody needs any more are forgotten, and so is
         ``ts`` if nobody wants it.
+
+        Depth first, in the order a recursion would take, but with a stack of its own:
+        a chain of a million tasks errs as a short one does.
         """
-        self._set_state(ts, "erred")
-        ts.who_wants.discard(FIRE_AND_FORGET)
-        ts.exception, ts.traceback, ts.exception_text = exception, traceback, text
-        ts.exception_blame = blame or ts
-        ts.error_kind = kind
-        ts.waiting_on.clear()
+        blame = blame or ts
         recs: dict[TaskState, str] = {}
-        for dep in sorted(ts.dependencies):
-            dep.waiters.discard(ts)
-            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
-                recs[dep] = "forgotten"
-        self._report_error(ts)
-        for dts in sorted(ts.dependents):
-            if dts.state in ("waiting", "queued", "processing", "released"):
-                if dts.state == "queued":
-                    self._dequeue(dts)
-                elif dts.state == "processing" and dts.processing_on is not None:
-                    self._unassign(dts, tell=True)
-                recs.update(self._err(dts, exception, traceback, text, blame=ts.exception_blame, kind=kind))
-        if not ts.who_wants and not ts.dependents:
-            recs[ts] = "forgotten"
+        # (task, phase): 0 the task itself, 1 a dependent (errs if it has yet to
+        # finish), 2 after its dependents (forgotten if nobody wants it)
+        stack: list[tuple[TaskState, int]] = [(ts, 0)]
+        while stack:
+            t, phase = stack.pop()
+            if phase == 2:
+                if not t.who_wants and not t.dependents:
+                    recs[t] = "forgotten"
+                continue
+            if phase == 1:
+                if t.state not in ("waiting", "queued", "processing", "released"):
+                    continue  # in memory, or erred already (through another input)
+                if t.state == "queued":
+                    self._dequeue(t)
+                elif t.state == "processing" and t.processing_on is not None:
+                    self._unassign(t, tell=True)
+            self._set_state(t, "erred")
+            t.who_wants.discard(FIRE_AND_FORGET)
+            t.exception, t.traceback, t.exception_text = exception, traceback, text
+            t.exception_blame = blame
+            t.error_kind = kind
+            t.waiting_on.clear()
+            for dep in t.dependencies:
+                dep.waiters.discard(t)
+                if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                    recs[dep] = "forgotten"
+            self._report_error(t)
+            stack.append((t, 2))
+            stack.extend((dts, 1) for dts in sorted(t.dependents, reverse=True))
         return recs
 
     def _nowhere(self, ts: TaskState) -> bool:
@@ -306,17 +321,17 @@ class TaskTransitions:
         ts.processing_on = None
         if ts.resources:
             release_resources(ws, ts.resources)
+        self._touch(ws)
         if tell:
             self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
 
     def _enqueue(self, ts: TaskState) -> None:
-        heapq.heappush(self.queued, ts)
+        self.queued.push(ts)
         counts = self.queued_languages
         counts[ts.language] = counts.get(ts.language, 0) + 1
 
     def _dequeue(self, ts: TaskState) -> None:
         self.queued.remove(ts)
-        heapq.heapify(self.queued)
         self._uncount_queued(ts)
 
     def _uncount_queued(self, ts: TaskState) -> None:
@@ -346,7 +361,7 @@ class TaskTransitions:
         self._set_state(ts, "released")
         for dts in sorted(ts.dependents):
             if dts.state == "waiting":
-                dts.waiting_on.add(ts)
+                dts.wait_on(ts)
             elif dts.state == "queued":
                 self._dequeue(dts)
                 self._set_state(dts, "waiting")
@@ -364,7 +379,7 @@ class TaskTransitions:
         """``ws`` holds ``ts``'s value too (with ``shm``: in that segment, which
         workers of its host map; the first such copy per host is the one passed on)."""
         if ws not in ts.who_has:
-            ts.who_has.add(ws)
+            ts.add_holder(ws)
             ws.has_what.add(ts)
             ws.nbytes += max(ts.nbytes, 0)
         if shm is not None:

@@ -67,10 +67,18 @@ def validate_state(state: SchedulerState) -> None:
         for ws in state.workers.values():
             if state._may_run(ts, ws):
                 assert state._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
+    # the room index holds exactly the workers with room, at their current load
+    with_room = {ws.address: len(ws.processing) / ws.nthreads for ws in state.workers.values()
+                 if state._capacity(ws) > 0}
+    assert state.room.with_room() == with_room, (state.room.with_room(), with_room)
+    if with_room:
+        best = state.room.best()
+        assert best is not None and min((b, a) for a, b in with_room.items()) == (with_room[best.address], best.address)
     for ws in state.workers.values():
         # seceded (long-running) tasks hold no thread: the bound is on the others
         assert ws.long_running <= ws.processing, ws
-        assert len(ws.processing) - len(ws.long_running) <= ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
+        # (inputs' holders and siblings may fill a worker up to twice its room)
+        assert len(ws.processing) - len(ws.long_running) <= 2 * ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
         for ts in ws.processing:
             assert ts.processing_on is ws and ts.state == "processing"
         for ts in ws.has_what:

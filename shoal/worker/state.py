@@ -162,6 +162,11 @@ class WorkerState:
         self.holding: dict[WTask, dict[str, float]] = {}
         self.fetching: set[WTask] = set()  # state "fetch"
         self.in_flight_workers: dict[str, set[WTask]] = {}
+        #: counts what may let a fetch start (a key to fetch, a holder more); with the
+        #: peers and bytes in flight, what the last pass over the fetches saw when it
+        #: could start no more (another pass then needs one of them to change)
+        self._fetch_version = 0
+        self._fetch_blocked: tuple[int, int, int] | None = None
         if transfer_bytes is not None and transfer_bytes < 1:
             raise ValueError(f"transfer_bytes must be at least 1 (or None), got {transfer_bytes}")
         #: bytes fetched over the network at once, at most (None: no bound but requests')
@@ -224,6 +229,8 @@ class WorkerState:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
         self.log.transitions.append((ts.key, start, finish, self._stimulus))
+        if finish == "fetch":
+            self._fetch_version += 1
 
     # -- events
 
@@ -283,6 +290,7 @@ class WorkerState:
             if dts.state == "memory":
                 continue
             dts.who_has.update(h for h in holders if h != self.address)
+            self._fetch_version += 1  # a holder more (or a segment) may let it start
             if dep_key in ev.shm and dts.state in ("released", "fetch"):
                 dts.shm = ev.shm[dep_key]
             ts.waiting_for_data.add(dts)
@@ -696,6 +704,18 @@ class WorkerState:
     def _ensure_communicating(self) -> None:
         if not self.fetching or self.paused:
             return
+        if self._fetch_blocked == self._fetch_outlook():
+            return  # nothing that lets a fetch start has changed since the last pass
+        self._start_fetches()
+        self._fetch_blocked = self._fetch_outlook()
+
+    def _fetch_outlook(self) -> tuple[int, int, int]:
+        """What decides whether a pass over the fetches can start one: keys or holders
+        added, peers in flight (only a pass adds one), bytes in flight (with a bound)."""
+        in_flight = 0 if self.transfer_bytes is None else self.in_flight_bytes()
+        return self._fetch_version, len(self.in_flight_workers), in_flight
+
+    def _start_fetches(self) -> None:
         if SHM not in self.in_flight_workers:
             mappable = [t for t in sorted(self.fetching) if t.state == "fetch" and t.shm is not None]
             if mappable:
@@ -709,11 +729,19 @@ class WorkerState:
         if budget <= 0:
             return
         room = None if self.transfer_bytes is None else self.transfer_bytes - self.in_flight_bytes()
-        for ts in sorted(self.fetching):
+        # one sort and one pass: the fetches by peer (each under every holder not
+        # busy), so that batching them costs what is batched, not a walk per batch
+        order = [t for t in sorted(self.fetching) if t.shm is None and t.state == "fetch"]
+        by_peer: dict[str, list[WTask]] = {}
+        for t in order:
+            for w in t.who_has:
+                if w not in self.in_flight_workers:
+                    by_peer.setdefault(w, []).append(t)
+        for ts in order:
             if budget <= 0 or (room is not None and room <= 0):
                 break
-            if ts.state != "fetch" or ts.shm is not None:
-                continue
+            if ts.state != "fetch":
+                continue  # in a batch already
             peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
             if not peers:
                 continue
@@ -722,8 +750,8 @@ class WorkerState:
             peer = peers[0]
             batch = [ts]
             total = ts.nbytes
-            for other in sorted(self.fetching):
-                if other is ts or other.state != "fetch" or peer not in other.who_has or other.shm is not None:
+            for other in by_peer.get(peer, ()):
+                if other is ts or other.state != "fetch":
                     continue
                 if total + other.nbytes > self.gather_bytes or (room is not None and total + other.nbytes > room):
                     break

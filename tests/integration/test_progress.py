@@ -233,10 +233,9 @@ def test_the_progress_op_refuses_bad_ids_and_serves_on(client):
 
 
 def _task(key, state, *deps):
-    ts = TaskState(key, state=state)
+    ts = TaskState(key, state=state, dependencies=tuple(deps))
     for d in deps:
-        ts.dependencies.add(d)
-        d.dependents.add(ts)
+        d.add_dependent(ts)
     return ts
 
 

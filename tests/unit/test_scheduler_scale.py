@@ -1,0 +1,281 @@
+"""The scheduler's state at size (no IO): its work per event does not grow with the
+number of workers, deep graphs need no recursion, and release, cancel and a client
+leaving cost what they touch.
+
+Work is counted, not timed: the Python function calls made inside one ``handle()``
+(``sys.setprofile``), which is deterministic and shows any loop over every worker or
+every queued task as calls."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from shoal.scheduler.state import (
+    AddWorkerEvent,
+    CancelKeysEvent,
+    ClientMsg,
+    ComputeTask,
+    NewTask,
+    ReleaseKeysEvent,
+    RemoveClientEvent,
+    SchedulerState,
+    TaskErredEvent,
+    TaskFinishedEvent,
+    UpdateGraphEvent,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench import sim  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def calls(fn: Callable[[], Any]) -> int:
+    """How many Python and C functions ``fn()`` calls (not counting itself)."""
+    n = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event in ("call", "c_call"):
+            n += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n - 1  # the call of fn itself
+
+
+def cluster(n_workers: int, nthreads: int = 1) -> SchedulerState:
+    s = SchedulerState()
+    s.handle(*(AddWorkerEvent(f"add-{i}", f"tcp://10.0.{i // 256}.{i % 256}:1", nthreads)
+               for i in range(n_workers)))
+    return s
+
+
+def submit(s: SchedulerState, tasks: list[NewTask], wanted: list[Any] | None = None, client: str = "c") -> list[Any]:
+    return s.handle(UpdateGraphEvent("graph", client, tasks, [t.key for t in tasks] if wanted is None else wanted))
+
+
+def running(out: list[Any]) -> Iterator[ComputeTask]:
+    return (i for i in out if type(i) is ComputeTask)
+
+
+def chain(n: int, prefix: str = "link") -> list[NewTask]:
+    return [NewTask(f"{prefix}-{i}", b"p", [f"{prefix}-{i - 1}"] if i else []) for i in range(n)]
+
+
+# -- work per event, at 10 and at 1,000 workers
+
+
+@pytest.mark.parametrize("graph", ["independent", "tree", "chain"])
+def test_one_finished_task_costs_the_same_at_10_and_at_1000_workers(graph):
+    def one_finish(n_workers: int) -> int:
+        s = cluster(n_workers)
+        g = sim.make_graph(graph, 6000)
+        out = submit(s, [NewTask(k, b"p", [g.keys[d] for d in deps]) for k, deps in zip(g.keys, g.deps)],
+                     [g.keys[i] for i in g.wanted])
+        sent = deque(running(out))
+        # a steady state: every worker busy (and, but for the chain, a queue behind them)
+        for _ in range(50):
+            ins = sent.popleft()
+            sent.extend(running(s.handle(TaskFinishedEvent("warm", ins.worker, ins.key, 10, 0.01))))
+        ins = sent.popleft()
+        n = calls(lambda: s.handle(TaskFinishedEvent("measured", ins.worker, ins.key, 10, 0.01)))
+        s.validate()
+        return n
+
+    small, large = one_finish(10), one_finish(1000)
+    assert large <= small + 10, (small, large)
+
+
+def test_placing_a_new_task_costs_the_same_at_10_and_at_1000_workers():
+    def one_submit(n_workers: int) -> int:
+        s = cluster(n_workers)
+        submit(s, [NewTask(f"x-{i}", b"p") for i in range(n_workers // 2)])  # half the workers busy
+        n = calls(lambda: submit(s, [NewTask("new", b"p")]))
+        s.validate()
+        return n
+
+    assert one_submit(1000) <= one_submit(10) + 10
+
+
+# -- deep graphs
+
+
+def test_a_failure_at_the_head_of_a_long_chain_errs_all_of_it_without_recursion():
+    n = 20 * sys.getrecursionlimit()
+    s = cluster(2)
+    out = submit(s, chain(n), wanted=[f"link-{n - 1}"])
+    (head,) = running(out)
+    out = s.handle(TaskErredEvent("boom", head.worker, head.key, b"exc", b"tb", "ValueError: boom"))
+    assert all(ts.state == "erred" for ts in s.tasks.values())
+    (told,) = [i for i in out if isinstance(i, ClientMsg)]
+    assert told.msg["key"] == f"link-{n - 1}" and told.msg["blame"] == "link-0"
+    s.validate()
+    # the client lets go: all of it goes, in one walk
+    s.handle(ReleaseKeysEvent("release", "c", [f"link-{n - 1}"]))
+    assert not s.tasks
+    s.validate()
+
+
+def test_a_long_chain_runs_to_the_end_and_frees_each_value_behind_itself():
+    n = 5000
+    s = cluster(3)
+    out = submit(s, chain(n), wanted=[f"link-{n - 1}"])
+    done = 0
+    while True:
+        sent = list(running(out))
+        if not sent:
+            break
+        (ins,) = sent
+        out = s.handle(TaskFinishedEvent(f"done-{done}", ins.worker, ins.key, 8, 0.001))
+        done += 1
+        # at most the value just made and the one it was made from are held
+        assert sum(len(ws.has_what) for ws in s.workers.values()) <= 2
+    assert done == n and s.tasks[f"link-{n - 1}"].state == "memory"
+    # the rest is kept as lineage (released: to recompute the result if it is lost)
+    assert s.task_counts() == {"memory": 1, "released": n - 1}
+    s.validate()
+    s.handle(ReleaseKeysEvent("release", "c", [f"link-{n - 1}"]))
+    assert not s.tasks
+
+
+def _cancel_chain_calls(n: int) -> int:
+    s = cluster(1)
+    tasks = chain(n)
+    submit(s, tasks)
+    keys = [t.key for t in tasks]
+    c = calls(lambda: s.handle(CancelKeysEvent("cancel", "c", keys)))
+    assert not s.tasks
+    s.validate()
+    return c
+
+
+def test_cancelling_every_future_along_a_chain_is_linear():
+    small, large = _cancel_chain_calls(2000), _cancel_chain_calls(8000)
+    assert large < 5 * small, (small, large)  # 4x the tasks: 16x if it were quadratic
+
+
+def _queued_release_calls(n: int, how: str) -> int:
+    s = cluster(2)
+    tasks = [NewTask(f"q-{i}", b"p") for i in range(n)]
+    submit(s, tasks)
+    assert len(s.queued) == n - 2 * 3  # 2 workers x (1 thread + 2 ahead) run, the rest wait
+    if how == "release":
+        c = calls(lambda: s.handle(ReleaseKeysEvent("release", "c", [t.key for t in tasks[::-1]])))
+    else:
+        c = calls(lambda: s.handle(RemoveClientEvent("gone", "c")))
+    assert not s.queued
+    s.validate()
+    return c
+
+
+@pytest.mark.parametrize("how", ["release", "client leaves"])
+def test_releasing_a_big_queue_is_linear(how):
+    small, large = _queued_release_calls(2000, how), _queued_release_calls(8000, how)
+    assert large < 5 * small, (small, large)
+
+
+# -- the simulation in bench/sim.py, small
+
+
+@pytest.mark.parametrize("graph", sorted(sim.GRAPHS))
+@pytest.mark.parametrize("workers", [3, 40])
+def test_the_simulation_runs_every_task_and_the_state_stays_valid(graph, workers):
+    g = sim.make_graph(graph, 400)
+    res = sim.run_shoal(g, workers, validate_every=25)
+    assert not res.error
+    assert res.events == len(g.keys) + 1
+    assert res.validations >= len(g.keys) // 25
+    assert res.input_bytes == 100_000 * g.edges
+    left = res.extra["left"]
+    assert left["memory"] == len(g.wanted) and set(left) <= {"memory", "released"}  # released: lineage
+
+
+# -- locality
+
+
+def _pairs(n_pairs: int) -> list[NewTask]:
+    """Pairs of root tasks, each pair summed, in the order a reduction runs them."""
+    tasks = []
+    for i in range(n_pairs):
+        tasks += [NewTask(f"a-{i}", b"p"), NewTask(f"b-{i}", b"p"), NewTask(f"sum-{i}", b"p", [f"a-{i}", f"b-{i}"])]
+    return tasks
+
+
+def test_sibling_roots_go_to_one_worker_at_submit_and_from_the_queue():
+    s = cluster(4)
+    out = submit(s, _pairs(40), wanted=[f"sum-{i}" for i in range(40)])
+    sent = deque(running(out))
+    assert s.queued  # 4 workers x 3 slots: most pairs wait in the queue
+    where: dict[str, str] = {}
+    while sent:
+        ins = sent.popleft()
+        where[ins.key] = ins.worker
+        if ins.key.startswith("sum-"):
+            # both inputs are on the worker the sum runs on: nothing moves
+            assert all(ins.worker in holders for holders in ins.who_has.values()), ins
+        sent.extend(running(s.handle(TaskFinishedEvent(f"done-{ins.key}", ins.worker, ins.key, 1000, 0.01))))
+    assert all(where[f"a-{i}"] == where[f"b-{i}"] == where[f"sum-{i}"] for i in range(40))
+    s.validate()
+
+
+def test_a_dependent_waits_on_the_busy_worker_holding_its_input_rather_than_move_it():
+    s = cluster(2)
+    (first,) = running(submit(s, [NewTask("big", b"p")]))
+    s.handle(TaskFinishedEvent("done", first.worker, "big", 10**9, 0.01))
+    # the holder is given more than its room, the other worker nothing
+    out = submit(s, [NewTask(f"use-{i}", b"p", ["big"]) for i in range(4)])
+    assert {ins.worker for ins in running(out)} == {first.worker}
+    s.validate()
+
+
+# -- a worker with many fetches pending
+
+
+def _fetch_calls(n_inputs: int) -> tuple[int, int]:
+    from shoal.worker.events import ComputeTaskEvent
+    from shoal.worker.state import GatherDep, WorkerState
+
+    w = WorkerState("tcp://me:1", nthreads=1)
+    # inputs spread over 50 peers, each batch small enough that every peer gets one request
+    deps = {f"in-{i}": [f"tcp://peer-{i % 50}:1"] for i in range(n_inputs)}
+    ev = ComputeTaskEvent("compute", "join", b"p", deps, dict.fromkeys(deps, 10), (0,))
+    out: list[Any] = []
+    n = calls(lambda: out.extend(w.handle(ev)))
+    gathers = [i for i in out if isinstance(i, GatherDep)]
+    assert len(gathers) == w.max_gathers and all(len(g.keys) == n_inputs // 50 for g in gathers)
+    w.validate()
+    return n, len(gathers)
+
+
+def test_batching_a_workers_fetches_is_not_quadratic_in_how_many_are_pending():
+    (small, _), (large, _) = _fetch_calls(1000), _fetch_calls(4000)
+    assert large < 6 * small, (small, large)  # 4x the inputs: 16x if it were quadratic
+
+
+def _unrelated_event_calls(n_inputs: int) -> int:
+    """A worker fetching ``n_inputs`` values from 2 peers (both busy, so more requests
+    could go out but none can): one event that changes nothing of that."""
+    from shoal.worker.events import ComputeTaskEvent
+    from shoal.worker.state import WorkerState
+
+    w = WorkerState("tcp://me:1", nthreads=4, gather_bytes=100)
+    deps = {f"in-{i}": [f"tcp://peer-{i % 2}:1"] for i in range(n_inputs)}
+    w.handle(ComputeTaskEvent("join", "join", b"p", deps, dict.fromkeys(deps, 10), (0,)))
+    assert len(w.in_flight_workers) == 2 and len(w.fetching) == n_inputs - 20
+    n = calls(lambda: w.handle(ComputeTaskEvent("other", "other", b"p", {}, {}, (1,))))
+    w.validate()
+    return n
+
+
+def test_an_event_that_lets_no_fetch_start_does_not_walk_the_pending_fetches():
+    assert _unrelated_event_calls(4000) <= _unrelated_event_calls(500) + 10
