@@ -10,6 +10,7 @@ here.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -54,6 +55,18 @@ def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]
     for a ``dsk`` that is neither, ``KeyError`` for a wanted key not in the graph and
     :class:`GraphError` for a reference to a key the graph does not define.
     """
+    if not gc.isenabled():
+        return _to_tasks(dsk, keys)
+    # a graph (a big one above all) makes objects by the thousand, all of them kept
+    # until it is sent: the cyclic collector's passes over them would free nothing
+    gc.disable()
+    try:
+        return _to_tasks(dsk, keys)
+    finally:
+        gc.enable()
+
+
+def _to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
     if hasattr(dsk, "__dask_graph__"):
         dsk = dsk.__dask_graph__()
     if not isinstance(dsk, Mapping):
@@ -79,7 +92,7 @@ def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]
         deps = list(node.dependencies)
         payload = RunSpec(_run_node, (node, {d: Ref(d) for d in deps}))
         tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
-    _order_tasks(tasks, nodes)
+    _order_tasks(tasks, nodes, wanted)
     # keys the converter dropped (aliases of themselves) are still wanted
     for k in wanted:
         if k not in nodes and k not in external and k not in dsk:
@@ -87,10 +100,21 @@ def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]
     return tasks, wanted
 
 
-def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any]) -> None:
+#: graphs of more tasks than this are ordered depth first here, not by ``dask.order``
+#: (which costs ~40 us per task: most of a big graph's time to its first task)
+DASK_ORDER_MAX = 100_000
+
+
+def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any], wanted: list[Any]) -> None:
     """Sort ``tasks`` into dask's static order (``dask.order``): the scheduler runs
     ready tasks in submission order, and this one finishes each part of a reduction
-    before starting the next, so intermediates are few and freed early."""
+    before starting the next, so intermediates are few and freed early. A graph of
+    more than :data:`DASK_ORDER_MAX` tasks is put in depth-first order from the wanted
+    keys instead, in time linear in its size: the same for trees and chains."""
+    if len(tasks) > DASK_ORDER_MAX:
+        rank = _depth_first(tasks, wanted)
+        tasks.sort(key=lambda t: rank.get(t["key"], 0))
+        return
     try:
         from dask.order import order
     except ImportError:
@@ -100,6 +124,34 @@ def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any]) -> None:
     except Exception:  # an ordering is an optimization: a graph it cannot rank still runs
         return
     tasks.sort(key=lambda t: rank.get(t["key"], 0))
+
+
+def _depth_first(tasks: list[dict[str, Any]], wanted: list[Any]) -> dict[Any, int]:
+    """key -> rank: each task right after its inputs, the inputs of each wanted key
+    (then of each task nobody wants, in the given order) walked first, without
+    recursion."""
+    deps = {t["key"]: t["deps"] for t in tasks}
+    rank: dict[Any, int] = {}
+    walking: set[Any] = set()  # on the stack (met again: a cycle, which the scheduler refuses)
+    for root in [*wanted, *deps]:
+        if root in rank or root not in deps:
+            continue
+        stack: list[tuple[Any, int]] = [(root, 0)]
+        walking.add(root)
+        while stack:
+            key, i = stack[-1]
+            inputs = deps[key]
+            while i < len(inputs) and (inputs[i] in rank or inputs[i] in walking or inputs[i] not in deps):
+                i += 1  # done already, or a key outside the graph
+            if i < len(inputs):
+                stack[-1] = (key, i + 1)
+                stack.append((inputs[i], 0))
+                walking.add(inputs[i])
+                continue
+            stack.pop()
+            walking.discard(key)
+            rank[key] = len(rank)
+    return rank
 
 
 def _is_task(v: Any) -> bool:

@@ -54,6 +54,7 @@ The scheduler never looks inside a task's payload: it holds it opaque and forwar
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -156,6 +157,8 @@ _HOLDER_OVERFILL = 2
 #: root tasks are placed with their siblings (the other inputs of a dependent) when
 #: they have at most this many dependents, each with at most this many inputs
 _SIBLING_DEPENDENTS, _SIBLING_INPUTS = 4, 4
+#: graphs of at least this many tasks are taken in with the cyclic garbage collector off
+_BIG_GRAPH = 10_000
 #: task durations recorded between two changes of how many tasks a worker gets ahead
 #: (each change looks at every worker once)
 _AHEAD_EVERY = 100
@@ -238,16 +241,33 @@ class SchedulerState(TaskTransitions):
             self._stimulus = event.stimulus_id
             self._instructions = out
             self.log.event(event, first=i == 0)
-            self._handlers[type(event)](event)
+            if type(event) is UpdateGraphEvent and len(event.tasks) >= _BIG_GRAPH and gc.isenabled():
+                # a big graph makes objects by the million, all of them kept: the
+                # collector's passes over them would find nothing to free
+                gc.disable()
+                try:
+                    self._update_graph(event)
+                finally:
+                    gc.enable()
+            else:
+                self._handlers[type(event)](event)
             if self._opened:
                 # slots opened on these workers (finished, cancelled, released tasks)
                 self._fill_opened()
         self._instructions = []
         return out
 
-    def _join_group(self, ts: TaskState) -> None:
-        """Count the new task ``ts`` (released) in its key prefix's group."""
-        name = key_prefix(ts.key)
+    def _join_group(self, ts: TaskState, names: dict[Any, str] | None = None) -> None:
+        """Count the new task ``ts`` (released) in its key prefix's group. ``names``
+        caches the prefixes of the first elements of tuple keys (the chunks of one
+        array share it) for the duration of one graph."""
+        key = ts.key
+        if names is not None and type(key) is tuple and key:
+            name = names.get(key[0])
+            if name is None:
+                name = names[key[0]] = key_prefix(key)
+        else:
+            name = key_prefix(key)
         g = self.groups.get(name)
         if g is None:
             g = self.groups[name] = PrefixGroup(name)
@@ -369,10 +389,11 @@ class SchedulerState(TaskTransitions):
         generation = next(self._generation)
         order = topological(new)
         created: list[TaskState] = []
+        prefixes: dict[Any, str] = {}
         for i, key in enumerate(order):
             t = new[key]
             ts = TaskState(key, payload=t.payload, priority=(-t.priority, generation, i), retries=t.retries)
-            self._join_group(ts)
+            self._join_group(ts, prefixes)
             if t.restrictions is not None:
                 ts.restrictions = set(t.restrictions)
                 ts.loose_restrictions = t.loose_restrictions
@@ -752,7 +773,9 @@ class SchedulerState(TaskTransitions):
                 skipped.append(ts)
                 continue
             self._uncount_queued(ts)
-            self._recommend(self._transition(ts, "processing", ws))
+            more = self._transition(ts, "processing", ws)
+            if more:
+                self._recommend(more)
             if not ts.dependencies:
                 self._pull_siblings(ts, ws)
         for ts in skipped:

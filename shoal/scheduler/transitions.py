@@ -156,15 +156,15 @@ class TaskTransitions:
             for name, amount in ts.resources.items():
                 used[name] = used.get(name, 0) + amount
         self._touch(ws)
-        self._emit(ComputeTask(
-            self._stimulus, ws.address, ts.key, ts.payload,
-            {d.key: sorted(w.address for w in d.who_has) for d in ts.dependencies},
-            {d.key: d.nbytes for d in ts.dependencies},
-            ts.priority,
-            {d.key: info for d in ts.dependencies if (info := self._shm_info(d, ws.host)) is not None},
-            bool(ts.who_wants),
-            ts.resources,
-        ))
+        deps = ts.dependencies
+        if deps:
+            who_has = {d.key: sorted(w.address for w in d.who_has) for d in deps}
+            nbytes = {d.key: d.nbytes for d in deps}
+            shm = {d.key: info for d in deps if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None}
+        else:
+            who_has, nbytes, shm = {}, {}, {}
+        self._emit(ComputeTask(self._stimulus, ws.address, ts.key, ts.payload, who_has, nbytes, ts.priority, shm,
+                               bool(ts.who_wants), ts.resources))
 
     def _shm_info(self, ts: TaskState, host: str | None = None) -> Any:
         """A segment that holds ``ts``'s value and still exists (its owner holds the

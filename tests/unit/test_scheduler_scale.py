@@ -279,3 +279,43 @@ def _unrelated_event_calls(n_inputs: int) -> int:
 
 def test_an_event_that_lets_no_fetch_start_does_not_walk_the_pending_fetches():
     assert _unrelated_event_calls(4000) <= _unrelated_event_calls(500) + 10
+
+
+# -- a big graph's order on the client
+
+
+def test_a_graph_too_big_for_dask_order_goes_depth_first(monkeypatch):
+    from operator import add
+
+    from shoal.client import graphs
+
+    monkeypatch.setattr(graphs, "DASK_ORDER_MAX", 10)
+    # a reduction over 16 leaves, as a dict in breadth-first order (all leaves first)
+    dsk: dict[Any, Any] = {("leaf", i): i for i in range(16)}
+    level = [("leaf", i) for i in range(16)]
+    depth = 0
+    while len(level) > 1:
+        depth += 1
+        nxt = [(f"sum{depth}", j) for j in range(len(level) // 2)]
+        for j, key in enumerate(nxt):
+            dsk[key] = (add, level[2 * j], level[2 * j + 1])
+        level = nxt
+    tasks, wanted = graphs.graph_to_tasks(dsk, [level[0]])
+    order = [t["key"] for t in tasks]
+    pos = {k: i for i, k in enumerate(order)}
+    assert len(order) == len(dsk) and wanted == [level[0]]
+    assert all(pos[d] < pos[t["key"]] for t in tasks for d in t["deps"])  # inputs first
+    # each pair is summed right after its leaves, before any other leaf: depth first
+    for j in range(8):
+        assert sorted([pos[("leaf", 2 * j)], pos[("leaf", 2 * j + 1)], pos[("sum1", j)]]) == \
+            list(range(pos[("sum1", j)] - 2, pos[("sum1", j)] + 1))
+    # and so is each sum of sums: half of the leaves come after the first half's total
+    assert pos[("sum3", 0)] < 15 or pos[("sum3", 1)] < 15
+
+
+def test_depth_first_order_stops_at_a_cycle():
+    from shoal.client import graphs
+
+    tasks = [{"key": "a", "deps": ["b"]}, {"key": "b", "deps": ["a"]}, {"key": "c", "deps": ["a"]}]
+    rank = graphs._depth_first(tasks, ["c"])
+    assert sorted(rank) == ["a", "b", "c"]  # (the scheduler then refuses the cycle)
