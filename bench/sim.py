@@ -192,30 +192,42 @@ def run_shoal(graph: Graph, n_workers: int, nbytes: int = 100_000, duration: flo
                         res.moved_bytes += n
 
     collect(out)
+
+    def finish(ins: ComputeTask, n: int) -> list[Any]:
+        return state.handle(TaskFinishedEvent(f"done-{n}", ins.worker, ins.key, nbytes, duration))
+
+    finish_all(res, running, finish, collect, state.validate, validate_every)
+    counts = state.task_counts()
+    res.extra["left"] = counts
+    return res
+
+
+def finish_all(res: Result, running: deque[Any], finish: Callable[[Any, int], Any], collect: Callable[[Any], None],
+               validate: Callable[[], Any], validate_every: int) -> None:
+    """Finish the tasks sent, oldest first, one event each: ``finish(task, n)`` (the
+    only part timed, into ``res.run_s``) hands the n-th to the state, ``collect(out)``
+    takes what it returned (the tasks it sends join ``running``); ``validate()`` runs
+    every ``validate_every`` tasks and at the end."""
     clock = time.process_time
     spent = 0.0
     done = 0
     while running:
-        ins = running.popleft()
-        ev = TaskFinishedEvent(f"done-{done}", ins.worker, ins.key, nbytes, duration)
+        task = running.popleft()
         t0 = clock()
-        out = state.handle(ev)
+        out = finish(task, done)
         spent += clock() - t0
         done += 1
         collect(out)
         if validate_every and done % validate_every == 0:
-            state.validate()
+            validate()
             res.validations += 1
     res.run_s = spent
     res.events += done
     if validate_every:
-        state.validate()
+        validate()
         res.validations += 1
-    if done != len(graph.keys):
-        res.error = f"{done} of {len(graph.keys)} tasks ran"
-    counts = state.task_counts()
-    res.extra["left"] = counts
-    return res
+    if done != res.tasks:
+        res.error = f"{done} of {res.tasks} tasks ran"
 
 
 def _retained_per_task(submit: Callable[[], Any], n_tasks: int) -> float:
