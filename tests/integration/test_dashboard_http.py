@@ -449,9 +449,10 @@ def test_metrics_after_a_known_computation(cluster, client):
     y = client.submit(size, x, workers=[b])
     assert y.result() == 50_000
     base = base_of(cluster.dashboard_link)
-    # the workers' figures come with their next report
-    m = wait_until(lambda: (m := metrics(base))[("shoal_transfer_bytes_total", (("path", "inproc"),))] > 0 and m,
-                   "the transfer in /metrics")
+    # the workers' figures come with their next reports (the gather's few bytes may
+    # come in one before the 50 kB of the transfer)
+    m = wait_until(lambda: (m := metrics(base))[("shoal_transfer_bytes_total", (("path", "inproc"),))] >= 50_000
+                   and m, "the transfer in /metrics")
     assert m[("shoal_workers", ())] == 2 and m[("shoal_threads", ())] == 2
     assert m[("shoal_tasks", (("state", "memory"),))] == 22
     assert m[("shoal_tasks", (("state", "erred"),))] == 0
