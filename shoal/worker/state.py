@@ -111,6 +111,7 @@ from .events import (
     UnpauseEvent,
     UpdateDataEvent,
 )
+from .fetching import Fetching
 from .model import SHM, TRANSITIONS, WState, WTask
 from .validation import validate_state
 
@@ -120,7 +121,7 @@ __all__ = ["WorkerState", "WTask", "WState", "SHM", *_events.__all__]
 # -------------------------------------------------------------------------- the state
 
 
-class WorkerState:
+class WorkerState(Fetching):
     def __init__(
         self,
         address: str,
@@ -700,77 +701,6 @@ class WorkerState:
         """The tasks that may hold a slot now: one per thread, and ``queued`` more
         unless memory is tight."""
         return self.nthreads if self.tight else self.slots
-
-    def _ensure_communicating(self) -> None:
-        if not self.fetching or self.paused:
-            return
-        if self._fetch_blocked == self._fetch_outlook():
-            return  # nothing that lets a fetch start has changed since the last pass
-        self._start_fetches()
-        self._fetch_blocked = self._fetch_outlook()
-
-    def _fetch_outlook(self) -> tuple[int, int, int]:
-        """What decides whether a pass over the fetches can start one: keys or holders
-        added, peers in flight (only a pass adds one), bytes in flight (with a bound)."""
-        in_flight = 0 if self.transfer_bytes is None else self.in_flight_bytes()
-        return self._fetch_version, len(self.in_flight_workers), in_flight
-
-    def _start_fetches(self) -> None:
-        if SHM not in self.in_flight_workers:
-            mappable = [t for t in sorted(self.fetching) if t.state == "fetch" and t.shm is not None]
-            if mappable:
-                for t in mappable:
-                    self._set_state(t, "flight")
-                    t.coming_from = SHM
-                    self.fetching.discard(t)
-                self.in_flight_workers[SHM] = set(mappable)
-                self._out.append(AttachShm(self._stimulus, [t.key for t in mappable], [t.shm for t in mappable]))
-        budget = self.max_gathers - len(self.in_flight_workers.keys() - {SHM})
-        if budget <= 0:
-            return
-        room = None if self.transfer_bytes is None else self.transfer_bytes - self.in_flight_bytes()
-        # one sort and one pass: the fetches by peer (each under every holder not
-        # busy), so that batching them costs what is batched, not a walk per batch
-        order = [t for t in sorted(self.fetching) if t.shm is None and t.state == "fetch"]
-        by_peer: dict[str, list[WTask]] = {}
-        for t in order:
-            for w in t.who_has:
-                if w not in self.in_flight_workers:
-                    by_peer.setdefault(w, []).append(t)
-        for ts in order:
-            if budget <= 0 or (room is not None and room <= 0):
-                break
-            if ts.state != "fetch":
-                continue  # in a batch already
-            peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
-            if not peers:
-                continue
-            if room is not None and ts.nbytes > room and len(self.in_flight_workers.keys() - {SHM}):
-                continue  # not now: it comes when the requests in flight are in
-            peer = peers[0]
-            batch = [ts]
-            total = ts.nbytes
-            for other in by_peer.get(peer, ()):
-                if other is ts or other.state != "fetch":
-                    continue
-                if total + other.nbytes > self.gather_bytes or (room is not None and total + other.nbytes > room):
-                    break
-                batch.append(other)
-                total += other.nbytes
-            for t in batch:
-                self._set_state(t, "flight")
-                t.coming_from = peer
-                self.fetching.discard(t)
-            self.in_flight_workers[peer] = set(batch)
-            self._out.append(GatherDep(self._stimulus, peer, [t.key for t in batch], total))
-            budget -= 1
-            if room is not None:
-                room -= total
-
-    def in_flight_bytes(self) -> int:
-        """The bytes of the fetches over the network in flight now (by the sizes the
-        scheduler gave; values mapped from shared memory are not counted)."""
-        return sum(ts.nbytes for peer, flight in self.in_flight_workers.items() if peer != SHM for ts in flight)
 
     # -- inspection
 
