@@ -141,6 +141,13 @@ class Comm(abc.ABC):
         not come (0: never). Transports whose peers cannot hold resources here (inproc)
         ignore it."""
 
+    def receive_large_frames_into(self, allocate: Any, min_bytes: int) -> None:
+        """Receive the out-of-band frames of at least ``min_bytes`` of later messages
+        into buffers made by ``allocate(nbytes)`` (a writable buffer, or ``None`` for
+        the usual one): a
+        worker lands values from another host in shared memory this way. Transports
+        that receive no frames (inproc) ignore it."""
+
     def __repr__(self) -> str:
         state = "closed" if self.closed() else "open"
         return f"<{type(self).__name__} {self.name} {self.local_address} -> {self.peer_address} {state}>"

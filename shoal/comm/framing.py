@@ -105,6 +105,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
         self.paused = False
+        #: makes the buffers of large out-of-band frames (see :meth:`land_frames`)
+        self._land: Any = None
+        self._land_min = 0
+
+    def land_frames(self, allocate: Any, min_bytes: int) -> None:
+        """Receive every out-of-band frame (frame 2 on) of at least ``min_bytes`` into
+        ``allocate(nbytes)``'s buffer, or the usual one where it gives ``None``."""
+        self._land, self._land_min = allocate, min_bytes
 
     def set_limits(self, max_frames: int | None = None, max_frame_bytes: int | None = None,
                    messages: int = 0) -> None:
@@ -292,7 +300,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             avail = self._end - self._start
             if need >= _DIRECT:
                 try:
-                    buf = alloc_buffer(need)
+                    buf = self._landing(need) if self._land is not None else None
+                    if buf is None:
+                        buf = alloc_buffer(need)
                 except (MemoryError, OSError) as exc:
                     raise ProtocolError(
                         f"cannot allocate {need:,} bytes for a frame the peer announced ({exc})"
@@ -357,6 +367,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._start = stop
         self._deliver(frames)
         return True
+
+    def _landing(self, need: int) -> Any:
+        """A buffer for the frame about to come from the allocator of
+        :meth:`land_frames`, if it is an out-of-band frame it wants; else ``None``."""
+        if self._lengths is None or len(self._frames) < 2 or need < self._land_min:
+            return None
+        try:
+            return self._land(need)
+        except Exception as exc:  # noqa: BLE001 - no landing: the usual buffer will do
+            logger.debug("cannot land a frame of %d bytes: %s", need, exc)
+            return None
 
     def _block_done(self, block: Any) -> None:
         if self._lengths is None:

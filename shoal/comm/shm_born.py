@@ -11,19 +11,28 @@ inside the garbage collector: the release only queues the address (:func:`.shm.l
 and the queue is worked off by later calls into the pool. The records of the arrays
 are the registry's (:class:`.shm_registry.BornArray`), which a forked child starts
 without.
+
+A large frame that a worker receives from another host is born the same way
+(:func:`land`): the socket writes it straight into a pooled segment, so keeping the
+value for the workers of this host (:func:`.shm.place`) is publishing that segment,
+with no copy and no page faults; a value that is not kept gives the segment back to
+the pool when it dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import weakref
+from typing import Any
 
 from .shm import Segment, SegmentInfo, registry
 from .shm_files import DATA_OFFSET, HEADER, buffer_address, close_writer, segment_header
 from .shm_registry import BornArray
 
 __all__ = ["enable_array_allocator", "use_array_allocator", "provide_array_memory", "release_array_memory",
-           "publish"]
+           "publish", "land"]
 
 _allocator_on = False
 
@@ -38,10 +47,31 @@ def provide_array_memory(nbytes: int) -> int | None:
         return None
     name, fd, size, writer = got
     assert writer is not None  # reuse maps what it reuses unless told not to
-    import ctypes
-
     anchor = ctypes.c_char.from_buffer(writer)  # the mapping cannot close while held
     return registry.bear(BornArray(name, size, fd, anchor, ctypes.addressof(anchor)), writer)
+
+
+def land(nbytes: int) -> Any:
+    """A writable buffer (a numpy ``uint8`` array) of ``nbytes`` at offset 4096 of a
+    pooled segment, recorded as an array born there, for a frame about to be received;
+    ``None`` when numpy is missing or no retired segment fits (the receiver then uses
+    private memory)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    registry.work_off()
+    got = registry.reuse(DATA_OFFSET + nbytes)
+    if got is None:
+        return None
+    name, fd, size, writer = got
+    assert writer is not None
+    anchor = ctypes.c_char.from_buffer(writer)
+    address = registry.bear(BornArray(name, size, fd, anchor, ctypes.addressof(anchor)), writer)
+    buf = np.frombuffer(writer, dtype=np.uint8, count=nbytes, offset=DATA_OFFSET)
+    # whatever the frame becomes holds this array: when it dies, so does the birth
+    weakref.finalize(buf, release_array_memory, address).atexit = False
+    return buf
 
 
 def release_array_memory(address: int) -> None:

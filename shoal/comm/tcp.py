@@ -386,6 +386,9 @@ class TCPComm(Comm):
     def set_idle_timeout(self, seconds: float) -> None:
         self._protocol.set_idle_timeout(seconds)
 
+    def receive_large_frames_into(self, allocate: Any, min_bytes: int) -> None:
+        self._protocol.land_frames(allocate, min_bytes)
+
 
 def set_liveness(sock: socket.socket, timeout: float) -> None:
     """Have the kernel break the connection when the peer acknowledges nothing for about

@@ -612,6 +612,9 @@ class Worker:
         """One attempt of :meth:`_gather_dep`: raises if it did not get an answer."""
         began = time.time()
         comm = await self.pool.connect(inst.worker)
+        if self.use_shm and comm.destination == REMOTE:
+            # large values land in pooled segments: keeping them for this host is no copy
+            comm.receive_large_frames_into(shm_born.land, shm_family.TRANSFER_MIN_BYTES)
         try:
             await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
             response = await comm.read()

@@ -76,6 +76,40 @@ def test_many_messages_in_one_read():
     assert [[bytes(f) for f in m] for m in protocol.messages] == msgs
 
 
+def test_large_out_of_band_frames_land_in_the_buffers_of_the_allocator():
+    """Frames from the third on, of at least the minimum size, are received into what
+    the allocator gives; the message's own frames, small frames, and frames it declines
+    (``None``) or fails on get the usual buffers, with the same bytes."""
+    rng = random.Random(7)
+    frames = [rng.randbytes(n) for n in (2_000_000, 300_000, 2_000_000, 1_500_000, 500_000, 1_200_000)]
+    asked: list[int] = []
+    given: list[np.ndarray] = []
+
+    def allocate(n: int) -> np.ndarray | None:
+        asked.append(n)
+        if len(asked) == 2:
+            return None  # declined
+        if len(asked) == 3:
+            raise OSError("no room")  # failed
+        given.append(np.empty(n, dtype=np.uint8))
+        return given[-1]
+
+    protocol = _authenticated()
+    protocol.land_frames(allocate, 1_000_000)
+    for chunk in (1 << 20, 4096):
+        asked.clear()
+        given.clear()
+        _feed(protocol, _wire(frames), rng, chunk)
+        (got,) = protocol.messages
+        protocol.messages.clear()
+        assert [bytes(f) for f in got] == frames
+        # asked for frames 2, 3 and 5: frame 2 landed, 3 was declined, 5 failed
+        assert asked == [2_000_000, 1_500_000, 1_200_000] and len(given) == 1
+        assert got[2] is given[0]
+        assert all(not isinstance(got[i], np.ndarray) for i in (0, 1, 3, 4, 5))
+    assert protocol.error is None
+
+
 @pytest.mark.parametrize(
     "head",
     [

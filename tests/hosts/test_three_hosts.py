@@ -69,6 +69,42 @@ out = {"sums": [first, second], "before": before, "after": after, "a1": a1, "b1"
     assert moved[b2]["shm"] >= size and moved[b2]["tcp"] < size and moved[b1]["tcp"] < size, moved
 
 
+def test_a_value_from_another_host_lands_in_a_pooled_segment_and_is_kept_without_a_copy(
+        cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+import numpy as np
+from shoal.comm import shm
+from shoal.testing import wait_for
+(a1, _), (b1, b2) = W["host1"], W["host2"]
+def placements():
+    return dict(shm.placements)
+def pooled():
+    return len(shm.registry.pooled())
+rounds = []
+for i in range(2):
+    x = c.submit(np.full, 2 << 20, float(i + 1), workers=[a1], pure=False)  # 16 MB
+    before = c.run(placements, workers=[b1])[b1]
+    total = c.submit(lambda a: float(a.sum()), x, workers=[b1], pure=False).result()
+    mapped = c.submit(lambda a: float(a.sum()), x, workers=[b2], pure=False).result()  # from b1's segment
+    after = c.run(placements, workers=[b1])[b1]
+    rounds.append({"sums": [total, mapped], "born": after["born"] - before["born"],
+                   "copied": after["copied"] - before["copied"]})
+    key = x.key
+    held = c.run(pooled, workers=[b1])[b1]
+    del x
+    # released on b1: its segment goes to b1's pool, where the next value lands
+    wait_for(lambda: c.run(pooled, workers=[b1])[b1] > held, timeout=30, what="the segment back in the pool")
+out = {"rounds": rounds}
+""")
+    first, second = out["rounds"]
+    n = 2 << 20
+    assert first["sums"] == [1.0 * n] * 2 and second["sums"] == [2.0 * n] * 2
+    # the first value is copied into a segment (or lands in one an earlier test left)...
+    assert first["born"] + first["copied"] == 1
+    # ...the second lands where the first was and is kept there as received
+    assert second == {"sums": [2.0 * n] * 2, "born": 1, "copied": 0}
+
+
 def test_scattered_and_broadcast_values_reach_every_host(cluster: dict[str, Any]) -> None:
     out = on_client_host(cluster, """
 import numpy as np

@@ -159,3 +159,60 @@ def test_threads_without_the_allocator_are_untouched():
     a = np.full(MB, 1.0)  # the test's own thread did not install it
     assert not shm.registry.born_arrays() and len(shm.registry.pooled()) == 1
     del a
+
+
+def _received(buf: np.ndarray, like: np.ndarray) -> Any:
+    """The value a receiver rebuilds from a pickle stream and one frame: ``buf``."""
+    import pickle
+
+    frames: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(like, protocol=5, buffer_callback=frames.append)
+    buf[:] = np.frombuffer(frames[0].raw(), dtype=np.uint8)
+    return pickle.loads(data, buffers=[buf])
+
+
+def test_a_frame_landed_in_a_pooled_segment_is_kept_for_the_host_without_a_copy():
+    pooled_segment(8 * MB)
+    ((size, _),) = shm.registry.pooled()
+    sent = np.arange(MB, dtype=np.float64)  # 8 MB
+    buf = shm_born.land(sent.nbytes)
+    assert buf is not None and buf.flags.writeable and not shm.registry.pooled()
+    value = _received(buf, sent)
+    assert data_address(value) == data_address(buf)
+    del buf
+    born = shm.placements["born"]
+    seg, local = shm.place(value)  # what a worker does to keep a value for its host
+    try:
+        assert shm.placements["born"] == born + 1  # published where it landed: no copy
+        assert seg.size == size and seg.info[3] == [[shm_files.DATA_OFFSET, sent.nbytes]]
+        del value
+        gc.collect()
+        assert np.array_equal(local, sent) and np.array_equal(shm.attach(seg.info), sent)
+        shm.registry.validate()
+    finally:
+        del local
+        gc.collect()
+        seg.retire()
+    shm.work_off()
+    assert [s for s, _ in shm.registry.pooled()] == [size]
+
+
+def test_a_landed_frame_that_is_not_kept_goes_back_to_the_pool():
+    pooled_segment(4 * MB)
+    buf = shm_born.land(4 * MB)
+    assert buf is not None and len(shm.registry.born_arrays()) == 1
+    value = _received(buf, np.ones(MB // 2))
+    del buf
+    assert float(value.sum()) == MB // 2
+    del value
+    gc.collect()
+    shm.work_off()
+    assert len(shm.registry.pooled()) == 1 and not shm.registry.born_arrays()
+    shm.registry.validate()
+
+
+def test_no_pooled_segment_that_fits_means_no_landing():
+    assert shm_born.land(2 * MB) is None  # an empty pool
+    pooled_segment(2 * MB)
+    assert shm_born.land(64 * MB) is None  # too small for the frame
+    assert len(shm.registry.pooled()) == 1
