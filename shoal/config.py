@@ -58,6 +58,11 @@ _DEFAULTS: dict[str, Any] = {
     # pause between two attempts starting at gather-retry-delay seconds and doubling
     "gather-attempts": 4,
     "gather-retry-delay": 0.1,
+    # a worker asked for a value it is fetching itself (the scheduler names it to the
+    # other workers of its host, so that the value crosses to a host once) answers when
+    # it has it, or after this many seconds without it (the asker then fetches it from
+    # another holder)
+    "host-fetch-wait": 30.0,
     # after this many failed fetches from one peer in a row, a worker's tasks that need
     # a value only that peer holds err with the fetch's error instead of being handed
     # back to the scheduler (which would send them to this worker again)

@@ -143,6 +143,9 @@ class TaskState:
     #: where the value lies in shared memory: {address of the worker that placed it:
     #: segment info (opaque)}, one per host at most that matters; None: nowhere
     shm: dict[str, Any] | None = None
+    #: {host: the worker of that host first sent a task needing this value from another
+    #: host}: the host's later readers ask it first, so the value crosses to a host once
+    fetchers: dict[str, WorkerState] | None = None
     #: a small value the worker sent along (opaque), for clients that ask later
     inline: Any = None
     #: its key prefix's counts (see :class:`PrefixGroup`), and whether it counted as done

@@ -16,7 +16,12 @@ from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
 from .model import PrefixGroup, TaskQueue, TaskState, TState, WorkerState
 
-__all__ = ["TaskTransitions"]
+__all__ = ["TaskTransitions", "HOST_COPY_MIN_BYTES"]
+
+#: values at least this large are kept for its host by a worker that fetched them from
+#: another (the worker's ``shoal.comm.shm_family.TRANSFER_MIN_BYTES``; this layer does
+#: no IO and imports no transport): such a value gets a fetcher per host
+HOST_COPY_MIN_BYTES = 1 << 20
 
 
 class TaskTransitions:
@@ -158,13 +163,45 @@ class TaskTransitions:
         self._touch(ws)
         deps = ts.dependencies
         if deps:
-            who_has = {d.key: sorted(w.address for w in d.who_has) for d in deps}
+            who_has = {d.key: self._holders_for(d, ws) for d in deps}
             nbytes = {d.key: d.nbytes for d in deps}
             shm = {d.key: info for d in deps if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None}
         else:
             who_has, nbytes, shm = {}, {}, {}
         self._emit(ComputeTask(self._stimulus, ws.address, ts.key, ts.payload, who_has, nbytes, ts.priority, shm,
                                bool(ts.who_wants), ts.resources))
+
+    def _holders_for(self, ts: TaskState, ws: WorkerState) -> list[str]:
+        """The workers ``ws`` may fetch ``ts``'s value from, in the order to ask them:
+        those of its own host first. When none is there, the worker of its host that
+        was sent a task needing the value first (the host's *fetcher*) comes first: it
+        gets the value from another host and keeps it for its host, and it answers a
+        request for a value it is fetching once it has it, so a value crosses to a
+        host once however many of its workers read it at the same time."""
+        host = ws.host
+        holders = ts.who_has
+        if len(holders) == 1:
+            (only,) = holders
+            if only.host == host or not host or ts.nbytes < HOST_COPY_MIN_BYTES:
+                return [only.address]
+            far = [only.address]
+        else:
+            near = sorted(w.address for w in holders if w.host == host)
+            far = sorted(w.address for w in holders if w.host != host)
+            if near or not host:
+                return near + far
+        if ts.nbytes < HOST_COPY_MIN_BYTES:
+            return far  # not kept for the host: crossing again costs little
+        fetchers = ts.fetchers
+        if fetchers is None:
+            fetchers = ts.fetchers = {}
+        fetcher = fetchers.get(host)
+        if fetcher is None or self.workers.get(fetcher.address) is not fetcher:
+            fetchers[host] = ws
+            return far
+        if fetcher is ws:
+            return far
+        return [fetcher.address, *far]
 
     def _shm_info(self, ts: TaskState, host: str | None = None) -> Any:
         """A segment that holds ``ts``'s value and still exists (its owner holds the
@@ -218,7 +255,7 @@ class TaskTransitions:
                 ws.nbytes -= max(ts.nbytes, 0)
                 self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
             ts.who_has.clear()
-            ts.inline = ts.shm = None
+            ts.inline = ts.shm = ts.fetchers = None
         elif start == "erred":
             ts.exception = ts.traceback = ts.exception_blame = None
             ts.exception_text = ""
@@ -382,6 +419,8 @@ class TaskTransitions:
             ts.add_holder(ws)
             ws.has_what.add(ts)
             ws.nbytes += max(ts.nbytes, 0)
+            if ts.fetchers:
+                ts.fetchers.pop(ws.host, None)  # its host has the value now
         if shm is not None:
             if ts.shm is None:
                 ts.shm = {}

@@ -1,7 +1,8 @@
 """How a worker fetches its tasks' inputs: the fetching half of
 :class:`~shoal.worker.state.WorkerState` (this class is its base). Inputs in a
 same-host segment are mapped in one batch (``AttachShm``); the others are asked of
-their holders, batched per peer (``GatherDep``), at most ``max_gathers`` peers and
+their holders, batched per peer (``GatherDep``; the holder the scheduler listed first
+is asked first: one of this host, or the host's worker fetching it), at most ``max_gathers`` peers and
 ``transfer_bytes`` in flight at once. A pass over the pending fetches runs only when
 something that may let one start has changed (:meth:`Fetching._fetch_outlook`). The
 theory of operation is in :mod:`shoal.worker.state`.
@@ -77,6 +78,9 @@ class Fetching:
             peers = [w for w in sorted(ts.who_has) if w not in self.in_flight_workers]
             if not peers:
                 continue
+            if ts.ask_first in peers and peers[0] != ts.ask_first:
+                peers.remove(ts.ask_first)
+                peers.insert(0, ts.ask_first)
             if room is not None and ts.nbytes > room and len(self.in_flight_workers.keys() - {SHM}):
                 continue  # not now: it comes when the requests in flight are in
             peer = peers[0]

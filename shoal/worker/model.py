@@ -34,6 +34,9 @@ class WTask:
     dependents: set[WTask] = field(default_factory=set)
     waiting_for_data: set[WTask] = field(default_factory=set)
     who_has: set[str] = field(default_factory=set)
+    #: the holder the scheduler listed first (one of this host, or the worker of this
+    #: host fetching the value from another): asked before the others
+    ask_first: str | None = None
     nbytes: int = 0
     coming_from: str | None = None
     #: where the value lies in shared memory, if its owner placed it there

@@ -95,6 +95,9 @@ def _pooled_bytes() -> int:
 
 logger = logging.getLogger("shoal.worker")
 
+#: the states of a key on its way here (fetched, or mapped, from a peer)
+_COMING = ("fetch", "flight")
+
 
 class Worker:
     """A worker that joins the scheduler at ``scheduler_address``, with ``nthreads``
@@ -170,6 +173,8 @@ class Worker:
         #: bytes of values this worker sent or received, by how they travelled
         #: bytes moved by path, and the inputs moved here for the task stream
         self.traffic = Traffic()
+        #: get-data requests waiting for keys this worker is fetching: (keys, done)
+        self._awaited: list[tuple[set[Any], asyncio.Future[None]]] = []
         self._cpu = CpuMeter()
         #: the state machine failed (a bug): it gets no more events, the worker closes
         self.broken = False
@@ -438,7 +443,17 @@ class Worker:
                 self._internal_error(exc, events)
             if self.broken:
                 return False  # (an instruction that applied events of its own failed)
+        if self._awaited:
+            self._wake_awaited()
         return True
+
+    def _wake_awaited(self) -> None:
+        """Answer the get-data requests whose keys are no longer being fetched here."""
+        assert self.state is not None
+        tasks = self.state.tasks
+        for keys, done in self._awaited:
+            if not done.done() and not any((t := tasks.get(k)) is not None and t.state in _COMING for k in keys):
+                done.set_result(None)
 
     def _internal_error(self, exc: Exception, events: tuple[Any, ...]) -> None:
         """A bug met while handling ``events``: report it (logged at CRITICAL with the
@@ -708,8 +723,27 @@ class Worker:
         return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
                 "pid": os.getpid(), "host": socket.gethostname()}
 
-    def get_data(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
+    def get_data(self, comm: Comm, keys: list[Any]) -> Any:
         assert self.state is not None
+        tasks = self.state.tasks
+        coming = {k for k in keys if k not in self.store and (t := tasks.get(k)) is not None and t.state in _COMING}
+        if coming:
+            return self._get_data_once_fetched(comm, keys, coming)
+        return self._serve(comm, keys)
+
+    async def _get_data_once_fetched(self, comm: Comm, keys: list[Any], coming: set[Any]) -> dict[str, Any]:
+        """``get-data`` for keys this worker is fetching itself (the scheduler named it
+        to the other workers of its host as the one fetching them): the answer waits
+        until those fetches have ended, or ``host-fetch-wait`` seconds."""
+        entry = (coming, asyncio.get_running_loop().create_future())
+        self._awaited.append(entry)
+        try:
+            await asyncio.wait([entry[1]], timeout=config.get("host-fetch-wait"))
+        finally:
+            self._awaited.remove(entry)
+        return self._serve(comm, keys)
+
+    def _serve(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         store = self.store
         # a spilled value is read for the peer and stays on disk here
         found = {k: store.peek(k) for k in keys if k in store}

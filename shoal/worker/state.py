@@ -291,6 +291,8 @@ class WorkerState(Fetching):
             if dts.state == "memory":
                 continue
             dts.who_has.update(h for h in holders if h != self.address)
+            if holders and holders[0] != self.address:
+                dts.ask_first = holders[0]
             self._fetch_version += 1  # a holder more (or a segment) may let it start
             if dep_key in ev.shm and dts.state in ("released", "fetch"):
                 dts.shm = ev.shm[dep_key]

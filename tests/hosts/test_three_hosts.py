@@ -69,6 +69,30 @@ out = {"sums": [first, second], "before": before, "after": after, "a1": a1, "b1"
     assert moved[b2]["shm"] >= size and moved[b2]["tcp"] < size and moved[b1]["tcp"] < size, moved
 
 
+def test_two_workers_of_a_host_reading_a_value_at_once_take_it_across_once(cluster: dict[str, Any]) -> None:
+    out = on_client_host(cluster, """
+import numpy as np
+(a1, _), (b1, b2) = W["host1"], W["host2"]
+before = c.run(lambda dask_worker: dask_worker.transfer_stats())
+x = c.submit(np.full, 4 << 20, 3.0, workers=[a1], key="shared-big")  # 32 MB, made on host 1
+shoal.wait([x])
+# both readers of host 2 at once: b2 asks b1, the host's fetcher, which answers once it has it
+r1 = c.submit(lambda a: float(a.sum()), x, workers=[b1], key="read-b1")
+r2 = c.submit(lambda a: float(a.sum()), x, workers=[b2], key="read-b2")
+sums = c.gather([r1, r2])
+after = c.run(lambda dask_worker: dask_worker.transfer_stats())
+out = {"sums": sums, "before": before, "after": after, "a1": a1, "b1": b1, "b2": b2}
+""")
+    size = 8 * (4 << 20)
+    assert out["sums"] == [3.0 * (4 << 20)] * 2
+    moved = {w: {path: out["after"][w][path] - out["before"][w][path] for path in ("tcp", "shm")}
+             for w in out["after"]}
+    a1, b1, b2 = out["a1"], out["b1"], out["b2"]
+    assert size <= moved[a1]["tcp"] < 2 * size, moved  # it crossed once...
+    # ...and b1 handed its copy to b2 through shared memory
+    assert moved[b1]["shm"] >= size and moved[b1]["tcp"] < size and moved[b2]["tcp"] < size, moved
+
+
 def test_a_value_from_another_host_lands_in_a_pooled_segment_and_is_kept_without_a_copy(
         cluster: dict[str, Any]) -> None:
     out = on_client_host(cluster, """
@@ -144,7 +168,7 @@ def test_a_lost_worker_host_process_is_recomputed_elsewhere(cluster: dict[str, A
     out = on_client_host(cluster, """
 import os
 x = c.submit(lambda: 41, key="on-lost", pure=False)
-x.result()
+shoal.wait([x])
 w = c.who_has()["on-lost"][0]
 try:
     c.run(lambda: os._exit(1), workers=[w])
