@@ -11,7 +11,7 @@ from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue",
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue", "Queue", "Need", "need_of",
            "RoomIndex", "dependents_closure", "find_cycle", "topological"]
 
 
@@ -199,19 +199,14 @@ class TaskQueue:
     and a client leaving cost what they touch, not the length of the queue.
     """
 
-    __slots__ = ("_heap", "_members", "restricted")
+    __slots__ = ("_heap", "_members")
 
     def __init__(self) -> None:
         self._heap: list[tuple[tuple[int, ...], TaskState]] = []
         self._members: set[TaskState] = set()
-        #: the queued tasks that may run only on the workers they name (``workers=``,
-        #: strictly): the only ones a worker's leaving can make unrunnable
-        self.restricted: set[TaskState] = set()
 
     def push(self, ts: TaskState) -> None:
         self._members.add(ts)
-        if ts.restrictions is not None and not ts.loose_restrictions:
-            self.restricted.add(ts)
         # priorities are unique: tuples compare in C, never reaching the tasks
         heapq.heappush(self._heap, (ts.priority, ts))
 
@@ -222,15 +217,130 @@ class TaskQueue:
             ts = heapq.heappop(heap)[1]
             if ts in members:
                 members.discard(ts)
-                self.restricted.discard(ts)
                 return ts
 
     def remove(self, ts: TaskState) -> None:
         """Take ``ts`` out (``KeyError`` if it is not queued)."""
         self._members.remove(ts)
-        self.restricted.discard(ts)
         if len(self._heap) > 2 * len(self._members) + 64:
             self._heap = sorted((t.priority, t) for t in self._members)  # a sorted list is a heap
+
+    def __contains__(self, ts: object) -> bool:
+        return ts in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __bool__(self) -> bool:
+        return bool(self._members)
+
+    def __iter__(self) -> Iterator[TaskState]:
+        """The queued tasks in priority order."""
+        return iter(sorted(self._members))
+
+    def peek(self) -> TaskState | None:
+        """The first task by priority, left in; None when empty."""
+        heap, members = self._heap, self._members
+        while heap:
+            ts = heap[0][1]
+            if ts in members:
+                return ts
+            heapq.heappop(heap)
+        return None
+
+
+#: what a queued task asks of the worker it runs on: its language, the workers it
+#: names strictly (``workers=`` without ``allow_other_workers``; None: any), and the
+#: resources it needs (sorted ``(name, amount)``)
+Need = tuple[str, frozenset[str] | None, tuple[tuple[str, float], ...]]
+_ANY_PYTHON: Need = ("python", None, ())
+
+
+def need_of(ts: TaskState) -> Need:
+    """What ``ts`` asks of its worker (see :data:`Need`)."""
+    if ts.restrictions is None and not ts.resources and ts.language == "python":
+        return _ANY_PYTHON
+    names = frozenset(ts.restrictions) if ts.restrictions is not None and not ts.loose_restrictions else None
+    resources = tuple(sorted((n, a) for n, a in ts.resources.items() if a > 0)) if ts.resources else ()
+    return (ts.language, names, resources)
+
+
+class Queue:
+    """The queued tasks, in buckets (:class:`TaskQueue`) by what they ask of their
+    worker (:data:`Need`). A worker with room takes the first tasks by priority from
+    the buckets it may serve (:meth:`buckets_for`), and looks at no other: queued
+    tasks it cannot run (named to other workers, of another language) cost it nothing.
+    Buckets naming workers are found through those names, so however many there are,
+    a worker sees only its own."""
+
+    __slots__ = ("_buckets", "_open", "_by_name", "_members")
+
+    def __init__(self) -> None:
+        self._buckets: dict[Need, TaskQueue] = {}
+        #: the buckets whose tasks name no worker (any worker of the language may run them)
+        self._open: dict[Need, TaskQueue] = {}
+        #: a name (address, name or host) -> the buckets whose tasks name it
+        self._by_name: dict[str, set[Need]] = {}
+        self._members: dict[TaskState, Need] = {}
+
+    def push(self, ts: TaskState) -> None:
+        need = need_of(ts)
+        q = self._buckets.get(need)
+        if q is None:
+            q = self._buckets[need] = TaskQueue()
+            if need[1] is None:
+                self._open[need] = q
+            else:
+                for name in need[1]:
+                    self._by_name.setdefault(name, set()).add(need)
+        q.push(ts)
+        self._members[ts] = need
+
+    def remove(self, ts: TaskState) -> None:
+        """Take ``ts`` out (``KeyError`` if it is not queued)."""
+        need = self._members[ts]
+        self._buckets[need].remove(ts)
+        self._forget(ts, need)
+
+    def take(self, need: Need) -> TaskState:
+        """The first task of the bucket ``need`` (of :meth:`buckets_for`), taken out."""
+        ts = self._buckets[need].pop()
+        self._forget(ts, need)
+        return ts
+
+    def _forget(self, ts: TaskState, need: Need) -> None:
+        del self._members[ts]
+        if not self._buckets[need]:
+            del self._buckets[need]
+            if need[1] is None:
+                del self._open[need]
+            else:
+                for name in need[1]:
+                    needs = self._by_name[name]
+                    needs.discard(need)
+                    if not needs:
+                        del self._by_name[name]
+
+    def buckets_for(self, names: Iterable[str], languages: frozenset[str]) -> list[tuple[Need, TaskQueue]]:
+        """The buckets of the tasks a worker known by ``names`` (its address, name and
+        host) that runs ``languages`` may run, resources aside (each bucket's tasks
+        need the same)."""
+        out = [(need, q) for need, q in self._open.items() if need[0] in languages]
+        if self._by_name:
+            seen: set[Need] = set()
+            for name in names:
+                for need in self._by_name.get(name, ()):
+                    if need not in seen and need[0] in languages:
+                        seen.add(need)
+                        out.append((need, self._buckets[need]))
+        return out
+
+    def naming(self, names: Iterable[str]) -> list[TaskState]:
+        """The queued tasks that may run only on workers they name, one of ``names``
+        among them (the only ones a worker's leaving can make unrunnable), in priority
+        order."""
+        needs = {need for name in names for need in self._by_name.get(name, ())}
+        return sorted(ts for need in needs for ts in self._buckets[need])
 
     def __contains__(self, ts: object) -> bool:
         return ts in self._members

@@ -3,10 +3,11 @@
 transitions). The theory of operation is in :mod:`shoal.scheduler.state`.
 
 A task goes to the worker with room holding most of its input bytes, then to the
-least busy worker with room. Nothing here walks every worker for an unconstrained
-task: the holders of its inputs are scored, and :class:`~.model.RoomIndex` keeps the
-workers with room by load (:meth:`Placement._touch` keeps it up to date wherever a
-worker's load or room may change). A dependent may go to its inputs' holder past its
+least busy worker with room. Nothing here walks every worker: the holders of its
+inputs are scored, and a :class:`~.model.RoomIndex` per language keeps the workers
+with room by load (:meth:`Placement._touch` keeps them up to date wherever a worker's
+load or room may change); a task naming workers (``workers=``) scores those, found by
+name, and one asking for resources those that offer them. A dependent may go to its inputs' holder past its
 room (up to ``_HOLDER_OVERFILL`` times it), and sibling root tasks go together, so a
 reduction's inputs are found where it runs. After each event, the workers whose room
 grew take tasks from the queue (:meth:`Placement._fill_opened`).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from .model import RoomIndex, TaskState, WorkerState
+from .model import Need, RoomIndex, TaskState, WorkerState
 from .transitions import TaskTransitions
 
 __all__ = ["Placement"]
@@ -40,6 +41,8 @@ class Placement(TaskTransitions):
 
     # what the scheduler's state holds, used here (set by SchedulerState.__init__)
     room: RoomIndex
+    rooms: dict[str, RoomIndex]
+    offering: dict[str, set[WorkerState]]
     _opened: dict[WorkerState, None]
     ahead: int
     max_ahead: int
@@ -90,27 +93,71 @@ class Placement(TaskTransitions):
         if self.workers.get(ws.address) is not ws:
             return  # leaving: its tasks are being taken off it (a liveness check drops several)
         has_room = self._capacity(ws) > 0
-        self.room.update(ws, has_room)
+        languages = ws.languages
+        if len(languages) == 1 and "python" in languages:
+            self.room.update(ws, has_room)
+        else:
+            rooms = self.rooms
+            for lang in languages:
+                rooms[lang].update(ws, has_room)
         if has_room:
             self._opened[ws] = None
 
     def _decide_worker(self, ts: TaskState) -> WorkerState | None:
         """The worker with room that holds the most input bytes; then the least busy.
-        Only workers that ``ts`` may run on count (``workers=``, resources free); with
-        loose restrictions, any worker when none of those has room.
+        Only workers that ``ts`` may run on count (its language, ``workers=``,
+        resources free); with loose restrictions, any worker when none of those has
+        room.
 
-        Unconstrained (the common case), this looks only at the holders of the inputs
-        and at the room index: its cost does not grow with the cluster."""
-        if self._constrained(ts):
-            best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run(ts, ws)])
+        This looks only at the holders of the inputs and at the room index of the
+        task's language, or at the workers ``workers=`` names (found by name), or at
+        those offering the resources asked for: its cost does not grow with the
+        cluster (but with the workers offering a resource)."""
+        if ts.restrictions is not None or ts.resources:
+            best = self._best_worker(ts, [ws for ws in self._candidates(ts) if self._may_run(ts, ws)])
             if best is None and ts.loose_restrictions:
-                best = self._best_worker(ts, [ws for ws in self.workers.values() if self._may_run_loosely(ts, ws)])
+                if ts.resources:
+                    best = self._best_worker(ts, [ws for ws in self._offering_all(ts)
+                                                  if self._may_run_loosely(ts, ws)])
+                else:
+                    best = self._anywhere(ts)
             return best
+        return self._anywhere(ts)
+
+    def _anywhere(self, ts: TaskState) -> WorkerState | None:
+        """For a task that names no worker and asks for no resource: the holder of most
+        of its input bytes, else the worker of a sibling, else the least busy worker
+        with room (of those that run its language)."""
         if ts.dependencies:
             holder = self._best_holder(ts)
         else:
             holder = self._sibling_worker(ts)
-        return holder if holder is not None else self.room.best()
+        if holder is not None:
+            return holder
+        room = self.rooms.get(ts.language)
+        return room.best() if room is not None else None
+
+    def _candidates(self, ts: TaskState) -> Iterable[WorkerState]:
+        """The workers ``workers=`` of ``ts`` names (by address, name or host), or,
+        naming none, those that offer every resource it asks for."""
+        if ts.restrictions is None:
+            return self._offering_all(ts)
+        named = self.named
+        out: set[WorkerState] = set()
+        for name in ts.restrictions:
+            found = named.get(name)
+            if found:
+                out |= found
+        return out
+
+    def _offering_all(self, ts: TaskState) -> Iterable[WorkerState]:
+        """The workers that offer every resource ``ts`` needs (some of each)."""
+        needs = [name for name, amount in (ts.resources or {}).items() if amount > 0]
+        if not needs:
+            return self.workers.values()
+        offering = self.offering
+        sets = sorted((offering.get(name, set()) for name in needs), key=len)
+        return sets[0].intersection(*sets[1:])
 
     def _overfillable(self, ws: WorkerState) -> bool:
         """Whether ``ws`` may take a task beyond its room (an input's holder, a
@@ -134,9 +181,11 @@ class Placement(TaskTransitions):
         """The worker where a sibling of the root task ``ts`` runs (even beyond its
         room, as a dependent goes to its inputs): the dependent then finds both its
         inputs there (co-assignment)."""
+        lang = ts.language
         for sib in self._siblings(ts):
             ws = sib.processing_on
-            if ws is not None and self._overfillable(ws) and self.workers.get(ws.address) is ws:
+            if ws is not None and self._overfillable(ws) and self.workers.get(ws.address) is ws \
+                    and lang in ws.languages:
                 return ws  # (not one that is leaving: a liveness check drops several at once)
         return None
 
@@ -151,9 +200,10 @@ class Placement(TaskTransitions):
         best: WorkerState | None = None
         best_score: tuple[float, float, str] | None = None
         workers = self.workers
+        lang = ts.language
         for ws, n in local.items():
-            if not self._overfillable(ws) or workers.get(ws.address) is not ws:
-                continue  # full, or leaving (a liveness check drops several at once)
+            if not self._overfillable(ws) or workers.get(ws.address) is not ws or lang not in ws.languages:
+                continue  # full, leaving (a liveness check drops several at once), or of another language
             score = (-n, len(ws.processing) / ws.nthreads, ws.address)
             if best_score is None or score < best_score:
                 best, best_score = ws, score
@@ -194,24 +244,31 @@ class Placement(TaskTransitions):
         return best
 
     def _fill(self, ws: WorkerState) -> None:
-        """Give queued tasks to ``ws`` while it has room."""
-        if not self.queued or self.queued_languages.keys().isdisjoint(ws.languages):
+        """Give queued tasks to ``ws`` while it has room: the first by priority of the
+        queue's buckets it may serve (its language, naming it or no worker, the
+        resources it has free)."""
+        queued = self.queued
+        if not queued or self.queued_languages.keys().isdisjoint(ws.languages):
             return  # (a worker of another language beside a queue of Python tasks, or the reverse)
-        skipped: list[TaskState] = []
-        while self.queued and self._capacity(ws) > 0:
-            ts = self.queued.pop()
-            if self._constrained(ts) and not self._may_run(ts, ws) and not (
-                    ts.loose_restrictions and self._may_run_loosely(ts, ws)):
-                skipped.append(ts)
-                continue
+        names = (ws.address, ws.name, ws.ip)
+        while queued and self._capacity(ws) > 0:
+            # (looked up again each time: placing a task may queue or dequeue others)
+            first: tuple[tuple[int, ...], Need] | None = None
+            for need, q in queued.buckets_for(names, ws.languages):
+                head = q.peek()
+                if head is None or (need[2] and not _has_resources(head, ws)):
+                    continue  # the tasks of a bucket need the same resources: none fits now
+                if first is None or head.priority < first[0]:
+                    first = (head.priority, need)
+            if first is None:
+                return
+            ts = queued.take(first[1])
             self._uncount_queued(ts)
             more = self._transition(ts, "processing", ws)
             if more:
                 self._recommend(more)
             if not ts.dependencies:
                 self._pull_siblings(ts, ws)
-        for ts in skipped:
-            self.queued.push(ts)
 
     def _pull_siblings(self, ts: TaskState, ws: WorkerState) -> None:
         """The root task ``ts`` went to ``ws`` from the queue: its queued siblings go

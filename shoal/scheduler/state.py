@@ -47,8 +47,11 @@ server reports it with the keys' stories and fails those keys, or stops if
 
 Placement (:mod:`.placement`, the base class of this one, above the transitions): the
 worker with room that holds most of a task's input bytes, else the least busy worker
-with room, found without a walk over the workers; after each event the workers whose
-room grew take tasks from the queue.
+with room (of the task's language), found without a walk over the workers; a task that
+names workers or asks for resources looks only at those named (indexed by address,
+name and host) or those offering them. After each event the workers whose room grew
+take tasks from the queue, whose buckets (:class:`.model.Queue`, by what a task asks
+of its worker) show each worker only the tasks it may run.
 
 Liveness (:mod:`.liveness`, time arrives only in ``HeartbeatEvent`` and
 ``CheckLivenessEvent``): a worker silent for ``worker_ttl`` is removed as if it had
@@ -100,8 +103,8 @@ from .progress import key_prefix
 from .model import (
     InvalidTransition,
     PrefixGroup,
+    Queue,
     RoomIndex,
-    TaskQueue,
     TaskState,
     WorkerState,
     dependents_closure,
@@ -175,9 +178,15 @@ class SchedulerState(Placement):
         self.allowed_failures = allowed_failures
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
-        self.queued = TaskQueue()
-        #: the workers with room, least busy first (kept up to date by _touch)
+        self.queued = Queue()
+        #: the workers with room, least busy first (kept up to date by _touch): of
+        #: those that run Python (``room``), and by language (``rooms``, Python's too)
         self.room = RoomIndex()
+        self.rooms: dict[str, RoomIndex] = {"python": self.room}
+        #: the workers by address, name and host (what ``workers=`` may name)
+        self.named: dict[str, set[WorkerState]] = {}
+        #: resource -> the workers that offer some of it
+        self.offering: dict[str, set[WorkerState]] = {}
         #: workers whose room may have grown during the current event: handle() fills
         #: them from the queue (an ordered set: the order is the order of the events)
         self._opened: dict[WorkerState, None] = {}
@@ -286,6 +295,14 @@ class SchedulerState(Placement):
                                                     languages=frozenset(ev.languages or ("python",)))
         if "python" not in ws.languages:
             self.non_python_workers += 1
+        for lang in ws.languages:
+            if lang not in self.rooms:
+                self.rooms[lang] = RoomIndex()
+        for name in _names_of(ws):
+            self.named.setdefault(name, set()).add(ws)
+        for name, amount in ws.resources.items():
+            if amount > 0:
+                self.offering.setdefault(name, set()).add(ws)
         # tasks that failed for want of this worker, or were waiting for any worker
         self._touch(ws)
 
@@ -296,7 +313,7 @@ class SchedulerState(Placement):
 
     def _drop_worker(self, ws: WorkerState, crashed: bool) -> None:
         """Reschedule the tasks of ``ws``, no longer in ``self.workers``, and forget its values."""
-        self.room.discard(ws)
+        self._forget_worker(ws)
         self._opened.pop(ws, None)
         if "python" not in ws.languages:
             self.non_python_workers -= 1
@@ -320,11 +337,23 @@ class SchedulerState(Placement):
                 self._lost_value(ts, recs)
         ws.has_what.clear()
         # queued tasks that may only run on workers that are all gone now
-        for ts in sorted(self.queued.restricted):
+        for ts in self.queued.naming(_names_of(ws)):
             if self._nowhere(ts):
                 self._dequeue(ts)
                 recs.update(self._err(ts, None, None, self._no_worker_text(ts), kind="ValueError"))
         self._recommend(recs)
+
+    def _forget_worker(self, ws: WorkerState) -> None:
+        """Take ``ws`` (out of ``self.workers`` now) out of the indexes of workers."""
+        for lang in ws.languages:
+            self.rooms[lang].discard(ws)
+        for index, names in ((self.named, _names_of(ws)), (self.offering, ws.resources)):
+            for name in names:
+                holders = index.get(name)
+                if holders is not None:
+                    holders.discard(ws)
+                    if not holders:
+                        del index[name]
 
     def _heartbeat(self, ev: HeartbeatEvent) -> None:
         ws = self.workers.get(ev.worker)
@@ -335,7 +364,7 @@ class SchedulerState(Placement):
         gone = expired(self.workers.values(), ev.now, self.worker_ttl)
         for ws, _ in gone:  # all of them first: none may take over another's tasks
             del self.workers[ws.address]
-            self.room.discard(ws)
+            self._forget_worker(ws)
         for ws, silent in gone:
             self._emit(CloseWorkerStream(self._stimulus, ws.address, silent))
             self._drop_worker(ws, crashed=True)
@@ -628,3 +657,8 @@ def _address_host(address: str) -> str:
     rest = address.split("://", 1)[-1]
     host = rest.rsplit(":", 1)[0] if ":" in rest else rest
     return host.strip("[]")
+
+
+def _names_of(ws: WorkerState) -> set[str]:
+    """What ``workers=`` may name ``ws`` by: its address, name and host."""
+    return {n for n in (ws.address, ws.name, ws.ip) if n}

@@ -14,7 +14,7 @@ from typing import Any
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
-from .model import PrefixGroup, TaskQueue, TaskState, TState, WorkerState
+from .model import PrefixGroup, Queue, TaskState, TState, WorkerState
 
 __all__ = ["TaskTransitions", "HOST_COPY_MIN_BYTES"]
 
@@ -30,7 +30,8 @@ class TaskTransitions:
     # what the scheduler's state holds, used here (set by SchedulerState.__init__)
     tasks: dict[Any, TaskState]
     workers: dict[str, WorkerState]
-    queued: TaskQueue
+    queued: Queue
+    named: dict[str, set[WorkerState]]
     #: language -> how many of the queued tasks are of it
     queued_languages: dict[str, int]
     groups: dict[str, PrefixGroup]
@@ -341,7 +342,8 @@ class TaskTransitions:
         r = ts.restrictions
         if r is None or ts.loose_restrictions:
             return False
-        return not any(self._allowed(ts, ws) for ws in self.workers.values())
+        named = self.named
+        return not any(name in named for name in r)
 
     def _no_worker_text(self, ts: TaskState) -> str:
         assert ts.restrictions is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .state import SchedulerState
@@ -67,13 +67,30 @@ def validate_state(state: SchedulerState) -> None:
         for ws in state.workers.values():
             if state._may_run(ts, ws):
                 assert state._capacity(ws) <= 0, f"{ts} queued while {ws} has room"
-    # the room index holds exactly the workers with room, at their current load
-    with_room = {ws.address: len(ws.processing) / ws.nthreads for ws in state.workers.values()
-                 if state._capacity(ws) > 0}
-    assert state.room.with_room() == with_room, (state.room.with_room(), with_room)
-    if with_room:
-        best = state.room.best()
-        assert best is not None and min((b, a) for a, b in with_room.items()) == (with_room[best.address], best.address)
+    # each language's room index holds exactly its workers with room, at their current load
+    assert state.rooms["python"] is state.room
+    languages = {lang for ws in state.workers.values() for lang in ws.languages}
+    assert languages <= state.rooms.keys(), (languages, sorted(state.rooms))
+    for lang, room in state.rooms.items():
+        with_room = {ws.address: len(ws.processing) / ws.nthreads for ws in state.workers.values()
+                     if lang in ws.languages and state._capacity(ws) > 0}
+        assert room.with_room() == with_room, (lang, room.with_room(), with_room)
+        if with_room:
+            best = room.best()
+            assert best is not None and min((b, a) for a, b in with_room.items()) == (with_room[best.address],
+                                                                                      best.address)
+    # the indexes of workers by name and by resource
+    named: dict[str, set[Any]] = {}
+    offering: dict[str, set[Any]] = {}
+    for ws in state.workers.values():
+        for name in (ws.address, ws.name, ws.ip):
+            if name:
+                named.setdefault(name, set()).add(ws)
+        for name, amount in ws.resources.items():
+            if amount > 0:
+                offering.setdefault(name, set()).add(ws)
+    assert state.named == named, "the index of workers by name is off"
+    assert state.offering == offering, "the index of workers by resource is off"
     for ws in state.workers.values():
         # seceded (long-running) tasks hold no thread: the bound is on the others
         assert ws.long_running <= ws.processing, ws

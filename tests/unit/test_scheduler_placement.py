@@ -128,3 +128,19 @@ def test_the_tasks_of_one_graph_go_to_workers_by_priority():
     out = s.submit(t("low-1"), t("high", priority=10), t("low-2"), t("mid", priority=5), t("top", priority=20))
     assert [k for _, k in computes(out)] == ["top", "high", "mid"]
     assert [ts.key for ts in sorted(s.state.queued)] == ["low-1", "low-2"]
+
+
+def test_queued_tasks_for_workers_that_all_left_err_and_the_others_wait_on():
+    s = Sched()
+    add(s, "tcp://10.0.0.1:1", 1, name="alpha")
+    add(s, "tcp://10.0.0.2:1", 1)
+    s.submit(*[t(f"busy-{i}") for i in range(6)])  # both workers full
+    s.submit(t("by-name", workers=["alpha"]), t("by-host", workers=["10.0.0.1"]),
+             t("by-either", workers=["alpha", "tcp://10.0.0.2:1"]), t("loosely", workers=["alpha"], loose=True))
+    assert {ts.key for ts in s.state.queued} >= {"by-name", "by-host", "by-either", "loosely"}
+    out = s.remove_worker("tcp://10.0.0.1:1")
+    # named only the worker that left (by its name, by its host): they cannot run anywhere
+    assert sorted(m["key"] for _, m in msgs(out, "task-erred")) == ["by-host", "by-name"]
+    assert s.ts("by-either").state == s.ts("loosely").state == "queued"
+    s.finish("tcp://10.0.0.2:1", sorted(ts.key for ts in s.state.workers["tcp://10.0.0.2:1"].processing)[0])
+    s.state.validate()

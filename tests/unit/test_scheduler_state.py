@@ -786,6 +786,34 @@ def test_each_host_is_handed_a_segment_of_its_own_host(s: Sched) -> None:
     assert compute_of(out, "r5").shm == {"x": also}
 
 
+def test_a_worker_with_room_takes_the_first_queued_task_it_may_run(s: Sched) -> None:
+    """Queued tasks wait in buckets by what they ask of their worker; a worker that has
+    room again takes, of all the buckets it may serve, the first task by priority."""
+    s(AddWorkerEvent(s.sid(), "a", 1, resources={"GPU": 1}))
+    s(AddWorkerEvent(s.sid(), "b", 1))
+    s(AddWorkerEvent(s.sid(), "js", 1, languages=("javascript",)))
+    fill = [NewTask(f"fill-{i}", b"p") for i in range(6)] + [
+        NewTask(f"fill-js-{i}", b"p", language="javascript") for i in range(3)]
+    s.submit(*fill)  # every worker full (1 thread + 2 ahead)
+    s.submit(NewTask("gpu", b"p", resources={"GPU": 1}, priority=1), NewTask("on-b", b"p", restrictions=["b"], priority=2),
+             NewTask("any", b"p"), NewTask("js", b"p", language="javascript", priority=3))
+    assert {ts.key for ts in s.state.queued} == {"gpu", "on-b", "any", "js"}
+    # a finishes: the GPU task (priority 1) comes before "any"; "on-b" and "js" are not its
+    running_on = {w: sorted(ts.key for ts in s.state.workers[w].processing) for w in ("a", "b", "js")}
+    out = s.finish("a", running_on["a"][0])
+    assert [k for w, k in computes(out)] == ["gpu"]
+    # b finishes: "on-b" (priority 2) before "any"
+    out = s.finish("b", running_on["b"][0])
+    assert [k for w, k in computes(out)] == ["on-b"]
+    out = s.finish("b", running_on["b"][1])
+    assert [k for w, k in computes(out)] == ["any"]
+    # the JavaScript worker takes the JavaScript task, and only it
+    out = s.finish("js", running_on["js"][0])
+    assert computes(out) == [("js", "js")]
+    assert not s.state.queued
+    s.state.validate()
+
+
 def test_a_hosts_later_readers_ask_its_fetcher_first_so_a_value_crosses_once(s: Sched) -> None:
     from shoal.scheduler.state import ReplicaAddedEvent, RemoveWorkerEvent, TaskFinishedEvent
 
