@@ -50,6 +50,9 @@ class Graph:
     keys: list[str]
     deps: list[list[int]]
     wanted: list[int]
+    #: what each task asks of its worker: "" nothing, "pinned" ``workers=`` one worker
+    #: (task i the worker i modulo their number), "gpu" a resource every worker offers
+    constraint: str = ""
 
     @property
     def edges(self) -> int:
@@ -96,8 +99,18 @@ def shuffle(n: int) -> Graph:
     return Graph("shuffle", keys, deps, list(range(k, 2 * k)))
 
 
+def pinned(n: int) -> Graph:
+    """Independent tasks, each restricted to one worker (``workers=``), round robin."""
+    return Graph("pinned", [f"pin-{i}" for i in range(n)], [[] for _ in range(n)], list(range(n)), "pinned")
+
+
+def gpu(n: int) -> Graph:
+    """Independent tasks that each ask for one GPU, which every worker offers once."""
+    return Graph("gpu", [f"gpu-{i}" for i in range(n)], [[] for _ in range(n)], list(range(n)), "gpu")
+
+
 GRAPHS: dict[str, Callable[[int], Graph]] = {
-    "independent": independent, "tree": tree, "chain": chain, "shuffle": shuffle,
+    "independent": independent, "tree": tree, "chain": chain, "shuffle": shuffle, "pinned": pinned, "gpu": gpu,
 }
 
 
@@ -166,9 +179,13 @@ def run_shoal(graph: Graph, n_workers: int, nbytes: int = 100_000, duration: flo
 
     def submit() -> tuple[SchedulerState, list[Any], float]:
         state = SchedulerState()
-        state.handle(*(AddWorkerEvent(f"add-{i}", a, 1) for i, a in enumerate(workers)))
+        offers = {"GPU": 1.0} if graph.constraint == "gpu" else {}
+        state.handle(*(AddWorkerEvent(f"add-{i}", a, 1, resources=offers) for i, a in enumerate(workers)))
         keys = [k.encode().decode() for k in graph.keys]  # new strings: counted with --memory
-        tasks = [NewTask(k, b"payload", [keys[d] for d in deps]) for k, deps in zip(keys, graph.deps)]
+        pinned = graph.constraint == "pinned"
+        needs = {"GPU": 1.0} if graph.constraint == "gpu" else None
+        tasks = [NewTask(k, b"payload", [keys[d] for d in deps], [workers[i % n_workers]] if pinned else None,
+                         resources=needs) for i, (k, deps) in enumerate(zip(keys, graph.deps))]
         event = UpdateGraphEvent("graph", "client", tasks, [keys[i] for i in graph.wanted])
         del tasks, keys
         t0 = time.process_time()
@@ -288,7 +305,8 @@ def _in_child(args: list[str], timeout: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="shoal,dask")
-    p.add_argument("--graphs", default="independent,tree,chain,shuffle")
+    p.add_argument("--graphs", default="independent,tree,chain,shuffle",
+                   help=f"comma-separated, of {', '.join(GRAPHS)}")
     p.add_argument("--workers", default="10,100,1000")
     p.add_argument("--tasks", default="10000,100000", help="tasks per graph (shuffle: edges)")
     p.add_argument("--quick", action="store_true",

@@ -118,6 +118,7 @@ class _SimState(SchedulerState):
     _apply_annotations = _Scheduler._apply_annotations
     _set_priorities = _Scheduler._set_priorities
     client_desires_keys = _Scheduler.client_desires_keys
+    coerce_address = _Scheduler.coerce_address  # (workers= annotations)
     report_on_key = _Scheduler.report_on_key
     # transitions() = _transitions() + send_all()
     transitions = _Scheduler.transitions
@@ -164,7 +165,8 @@ class _SimState(SchedulerState):
 
     # ------------------------------------------------------------ what add_worker does
 
-    def add_virtual_worker(self, address: str, nthreads: int, name: int) -> WorkerState:
+    def add_virtual_worker(self, address: str, nthreads: int, name: int,
+                           resources: dict[str, float] | None = None) -> WorkerState:
         """What ``Scheduler.add_worker`` does to the state for a new running worker."""
         if address in self.workers:
             raise ValueError(f"Worker already exists {address}")
@@ -193,6 +195,10 @@ class _SimState(SchedulerState):
         self.total_nthreads += nthreads
         self.total_nthreads_history.append((dask_time(), self.total_nthreads))
         self.aliases[name] = address
+        for resource, quantity in (resources or {}).items():  # as Scheduler.add_resources
+            ws.resources[resource] = quantity
+            ws.used_resources[resource] = 0
+            self.resources.setdefault(resource, {})[address] = quantity
         self.check_idle_saturated(ws)
         stimulus_id = f"add-worker-{dask_time()}"
         self.transitions(self.bulk_schedule_unrunnable_after_adding_worker(ws), stimulus_id)
@@ -213,7 +219,7 @@ def run_dask(graph: Graph, n_workers: int, nbytes: int = 100_000, duration: floa
     def submit() -> tuple[_SimState, float, float]:
         state = _SimState()
         for i, addr in enumerate(workers):
-            state.add_virtual_worker(addr, 1, i)
+            state.add_virtual_worker(addr, 1, i, {"GPU": 1.0} if graph.constraint == "gpu" else None)
         state.clients[CLIENT] = ClientState(CLIENT, versions={})
         state.worker_outbox.clear()
         # The materialized graph update_graph works on: {key: Task(key, func, *TaskRef(dep))},
@@ -223,6 +229,11 @@ def run_dask(graph: Graph, n_workers: int, nbytes: int = 100_000, duration: floa
             k: Task(k, _placeholder, *[TaskRef(keys[d]) for d in deps]) for k, deps in zip(keys, graph.deps)
         }
         wanted: set[Key] = {keys[i] for i in graph.wanted}
+        annotations: dict[str, dict[Key, Any]] = {}
+        if graph.constraint == "pinned":
+            annotations["workers"] = {k: [workers[i % n_workers]] for i, k in enumerate(keys)}
+        elif graph.constraint == "gpu":
+            annotations["resources"] = {k: {"GPU": 1.0} for k in keys}
         del keys
         start = dask_time()
         stimulus_id = f"update-graph-{start}"
@@ -238,7 +249,7 @@ def run_dask(graph: Graph, n_workers: int, nbytes: int = 100_000, duration: floa
             keys=wanted,
             ordered=ordered,
             client=CLIENT,
-            annotations_by_type={},
+            annotations_by_type=annotations,
             global_annotations=None,
             stimulus_id=stimulus_id,
             submitting_task=None,

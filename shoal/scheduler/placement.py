@@ -42,6 +42,7 @@ class Placement(TaskTransitions):
     # what the scheduler's state holds, used here (set by SchedulerState.__init__)
     room: RoomIndex
     rooms: dict[str, RoomIndex]
+    resource_rooms: dict[str, RoomIndex]
     offering: dict[str, set[WorkerState]]
     _opened: dict[WorkerState, None]
     ahead: int
@@ -100,6 +101,12 @@ class Placement(TaskTransitions):
             rooms = self.rooms
             for lang in languages:
                 rooms[lang].update(ws, has_room)
+        if ws.resources:
+            used = ws.used_resources
+            for name, amount in ws.resources.items():
+                room = self.resource_rooms.get(name)
+                if room is not None:
+                    room.update(ws, has_room and amount - used.get(name, 0) > 1e-9)
         if has_room:
             self._opened[ws] = None
 
@@ -109,55 +116,59 @@ class Placement(TaskTransitions):
         resources free); with loose restrictions, any worker when none of those has
         room.
 
-        This looks only at the holders of the inputs and at the room index of the
-        task's language, or at the workers ``workers=`` names (found by name), or at
-        those offering the resources asked for: its cost does not grow with the
-        cluster (but with the workers offering a resource)."""
-        if ts.restrictions is not None or ts.resources:
-            best = self._best_worker(ts, [ws for ws in self._candidates(ts) if self._may_run(ts, ws)])
+        This looks only at the holders of the inputs and at a room index (of the
+        task's language, or of a resource it asks for), or at the workers ``workers=``
+        names (found by name): its cost does not grow with the cluster."""
+        if ts.restrictions is not None:
+            best = self._best_worker(ts, [ws for ws in self._named_in(ts) if self._may_run(ts, ws)])
             if best is None and ts.loose_restrictions:
-                if ts.resources:
-                    best = self._best_worker(ts, [ws for ws in self._offering_all(ts)
-                                                  if self._may_run_loosely(ts, ws)])
-                else:
-                    best = self._anywhere(ts)
+                best = self._anywhere(ts)
             return best
         return self._anywhere(ts)
 
     def _anywhere(self, ts: TaskState) -> WorkerState | None:
-        """For a task that names no worker and asks for no resource: the holder of most
+        """For a task that names no worker (or only as a preference): the holder of most
         of its input bytes, else the worker of a sibling, else the least busy worker
-        with room (of those that run its language)."""
+        with room (of those that run its language and have the resources it asks for
+        free)."""
         if ts.dependencies:
             holder = self._best_holder(ts)
         else:
             holder = self._sibling_worker(ts)
         if holder is not None:
             return holder
+        if ts.resources:
+            return self._least_busy_with(ts)
         room = self.rooms.get(ts.language)
         return room.best() if room is not None else None
 
-    def _candidates(self, ts: TaskState) -> Iterable[WorkerState]:
-        """The workers ``workers=`` of ``ts`` names (by address, name or host), or,
-        naming none, those that offer every resource it asks for."""
-        if ts.restrictions is None:
-            return self._offering_all(ts)
+    def _least_busy_with(self, ts: TaskState) -> WorkerState | None:
+        """The least busy worker with room and the resources ``ts`` asks for free: the
+        best of the room index of its scarcest resource (workers with room and some of
+        it free); only when that one lacks the amount (or another resource, or the
+        language) are all the workers offering them scored."""
+        needs = [name for name, amount in ts.resources.items() if amount > 0] if ts.resources else []
+        if not needs:
+            room = self.rooms.get(ts.language)
+            return room.best() if room is not None else None
+        offering = self.offering
+        scarcest = min(needs, key=lambda name: len(offering.get(name, ())))
+        room = self.resource_rooms.get(scarcest)
+        best = room.best() if room is not None else None
+        if best is None or self._may_run_loosely(ts, best):
+            return best  # (None: no worker has any of it free now)
+        sets = sorted((offering.get(name, set()) for name in needs), key=len)
+        return self._best_worker(ts, [ws for ws in sets[0].intersection(*sets[1:]) if self._may_run_loosely(ts, ws)])
+
+    def _named_in(self, ts: TaskState) -> set[WorkerState]:
+        """The workers ``workers=`` of ``ts`` names, by address, name or host."""
         named = self.named
         out: set[WorkerState] = set()
-        for name in ts.restrictions:
+        for name in ts.restrictions or ():
             found = named.get(name)
             if found:
                 out |= found
         return out
-
-    def _offering_all(self, ts: TaskState) -> Iterable[WorkerState]:
-        """The workers that offer every resource ``ts`` needs (some of each)."""
-        needs = [name for name, amount in (ts.resources or {}).items() if amount > 0]
-        if not needs:
-            return self.workers.values()
-        offering = self.offering
-        sets = sorted((offering.get(name, set()) for name in needs), key=len)
-        return sets[0].intersection(*sets[1:])
 
     def _overfillable(self, ws: WorkerState) -> bool:
         """Whether ``ws`` may take a task beyond its room (an input's holder, a
@@ -185,7 +196,7 @@ class Placement(TaskTransitions):
         for sib in self._siblings(ts):
             ws = sib.processing_on
             if ws is not None and self._overfillable(ws) and self.workers.get(ws.address) is ws \
-                    and lang in ws.languages:
+                    and lang in ws.languages and _has_resources(ts, ws):
                 return ws  # (not one that is leaving: a liveness check drops several at once)
         return None
 
@@ -202,8 +213,9 @@ class Placement(TaskTransitions):
         workers = self.workers
         lang = ts.language
         for ws, n in local.items():
-            if not self._overfillable(ws) or workers.get(ws.address) is not ws or lang not in ws.languages:
-                continue  # full, leaving (a liveness check drops several at once), or of another language
+            if not self._overfillable(ws) or workers.get(ws.address) is not ws or lang not in ws.languages \
+                    or not _has_resources(ts, ws):
+                continue  # full, leaving (a liveness check drops several at once), or it cannot run ts
             score = (-n, len(ws.processing) / ws.nthreads, ws.address)
             if best_score is None or score < best_score:
                 best, best_score = ws, score

@@ -185,8 +185,10 @@ class SchedulerState(Placement):
         self.rooms: dict[str, RoomIndex] = {"python": self.room}
         #: the workers by address, name and host (what ``workers=`` may name)
         self.named: dict[str, set[WorkerState]] = {}
-        #: resource -> the workers that offer some of it
+        #: resource -> the workers that offer some of it, and those of them with room
+        #: and some of it free, least busy first
         self.offering: dict[str, set[WorkerState]] = {}
+        self.resource_rooms: dict[str, RoomIndex] = {}
         #: workers whose room may have grown during the current event: handle() fills
         #: them from the queue (an ordered set: the order is the order of the events)
         self._opened: dict[WorkerState, None] = {}
@@ -303,6 +305,8 @@ class SchedulerState(Placement):
         for name, amount in ws.resources.items():
             if amount > 0:
                 self.offering.setdefault(name, set()).add(ws)
+                if name not in self.resource_rooms:
+                    self.resource_rooms[name] = RoomIndex()
         # tasks that failed for want of this worker, or were waiting for any worker
         self._touch(ws)
 
@@ -347,6 +351,10 @@ class SchedulerState(Placement):
         """Take ``ws`` (out of ``self.workers`` now) out of the indexes of workers."""
         for lang in ws.languages:
             self.rooms[lang].discard(ws)
+        for name in ws.resources:
+            room = self.resource_rooms.get(name)
+            if room is not None:
+                room.discard(ws)
         for index, names in ((self.named, _names_of(ws)), (self.offering, ws.resources)):
             for name in names:
                 holders = index.get(name)

@@ -91,6 +91,11 @@ def validate_state(state: SchedulerState) -> None:
                 offering.setdefault(name, set()).add(ws)
     assert state.named == named, "the index of workers by name is off"
     assert state.offering == offering, "the index of workers by resource is off"
+    assert offering.keys() <= state.resource_rooms.keys(), (sorted(offering), sorted(state.resource_rooms))
+    for name, room in state.resource_rooms.items():
+        with_room = {ws.address: len(ws.processing) / ws.nthreads for ws in offering.get(name, ())
+                     if state._capacity(ws) > 0 and ws.resources[name] - ws.used_resources.get(name, 0) > 1e-9}
+        assert room.with_room() == with_room, (name, room.with_room(), with_room)
     for ws in state.workers.values():
         # seceded (long-running) tasks hold no thread: the bound is on the others
         assert ws.long_running <= ws.processing, ws
