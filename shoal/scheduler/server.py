@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -102,6 +103,9 @@ def _memory_figures(memory: dict[str, int]) -> dict[str, int]:
 
 logger = logging.getLogger("shoal.scheduler")
 
+#: a worker's messages note it alive at most this often (seconds)
+_SEEN_EVERY = 0.05
+
 
 class Scheduler:
     """Serves workers and clients; all decisions are :class:`SchedulerState`'s."""
@@ -158,6 +162,8 @@ class Scheduler:
         self.worker_comms: dict[str, Comm] = {}
         self.client_streams: dict[str, BatchedSend] = {}
         self._ids = itertools.count()
+        #: when each worker was last noted alive (see _seen)
+        self._seen_at: dict[str, float] = {}
         self._workers_changed: asyncio.Event | None = None
         self._housekeeping: asyncio.Future[None] | None = None
         self._liveness: asyncio.Future[None] | None = None
@@ -347,6 +353,7 @@ class Scheduler:
         finally:
             self.worker_streams.pop(address, None)
             self.worker_comms.pop(address, None)
+            self._seen_at.pop(address, None)
             stream.abort()
             # a worker removed for its silence was logged then (CloseWorkerStream)
             if not self.closing and address in self.state.workers:
@@ -362,9 +369,13 @@ class Scheduler:
 
     def _seen(self, address: str, batch: list[Any]) -> list[Any]:
         """Note that worker ``address`` is alive (whatever it sends shows it, not only
-        its heartbeats); returns ``batch``."""
-        self._apply(HeartbeatEvent(self._stimulus("seen"), address, time.monotonic()))
-        self.diagnostics.seen(address)
+        its heartbeats), at most every ``_SEEN_EVERY`` seconds (a busy worker sends
+        thousands of batches a second; liveness counts in seconds); returns ``batch``."""
+        now = time.monotonic()
+        if now - self._seen_at.get(address, -math.inf) >= _SEEN_EVERY:
+            self._seen_at[address] = now
+            self._apply(HeartbeatEvent(self._stimulus("seen"), address, now))
+            self.diagnostics.seen(address)
         return batch
 
     def _notify_workers_changed(self) -> None:
