@@ -71,6 +71,8 @@ def _security_from(args: argparse.Namespace, address: str | None) -> Any:
     from .comm import security
 
     tls = {"ca_file": args.tls_ca_file, "cert": args.tls_cert, "key": args.tls_key}
+    if not any(tls.values()):
+        tls = {**tls, **security.tls_from_environment()}  # (SHOAL_TLS_*: a deployment's)
     if args.no_auth:
         print("shoal: WARNING: --no-auth: any process that can reach this one may run code in it",
               file=sys.stderr, flush=True)

@@ -166,12 +166,20 @@ class Security:
         self._contexts[server] = ctx
         return ctx
 
-    def to_env(self) -> dict[str, str]:
-        """Environment variables that hand these credentials to a child process."""
+    def to_env(self, inline: bool = False) -> dict[str, str]:
+        """Environment variables that hand these credentials to a child process: the
+        TLS files' paths, or with ``inline`` their contents (``SHOAL_TLS_*_PEM``, for a
+        process on another host; :mod:`shoal.deploy.remote` writes them to files
+        there). Raises ``OSError`` when a TLS file cannot be read."""
         env = {} if self.secret is None else {"SHOAL_AUTH": self.secret.decode("utf-8", "surrogateescape")}
         for var, path in (("SHOAL_TLS_CA_FILE", self.ca_file), ("SHOAL_TLS_CERT", self.cert),
                           ("SHOAL_TLS_KEY", self.key)):
-            if path is not None:
+            if path is None:
+                continue
+            if inline:
+                with open(path, encoding="ascii") as f:
+                    env[INLINE_TLS[var]] = f.read()
+            else:
                 env[var] = path
         return env
 
@@ -339,6 +347,11 @@ def from_environment() -> Security | None:
     if path:
         return Security.from_file(path, **tls_from_environment())
     return None
+
+
+#: the variable of a TLS file's path -> the one of its contents (``Security.to_env(inline=True)``)
+INLINE_TLS = {"SHOAL_TLS_CA_FILE": "SHOAL_TLS_CA_PEM", "SHOAL_TLS_CERT": "SHOAL_TLS_CERT_PEM",
+              "SHOAL_TLS_KEY": "SHOAL_TLS_KEY_PEM"}
 
 
 def tls_from_environment() -> dict[str, Any]:

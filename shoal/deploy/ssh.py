@@ -165,6 +165,10 @@ class SSHCluster(DeployedCluster):
     per host; default this one's path). ``env``: environment variables for every
     process started on the hosts (sent on the sessions' stdin, as the secret).
 
+    ``security``: the cluster's credentials (default: a new secret). With TLS files
+    (``Security(ca_file=, cert=, key=)``) the cluster is ``tls://``; the files' contents
+    go to the hosts with the secret, on each session's stdin.
+
     ``scale(n)`` runs ``n`` worker processes (whole groups, over the worker hosts in
     turn); ``get_logs()``; ``close()``. A host that cannot be reached fails the start
     (or the scale) with :class:`~.spec.DeployError`, saying what ssh said.
@@ -197,9 +201,6 @@ class SSHCluster(DeployedCluster):
         per_group = self.worker_options.get("n_workers", self.worker_options.get("nworkers", 1))
         if isinstance(per_group, bool) or not isinstance(per_group, int) or per_group < 1:
             raise ValueError(f"worker_options n_workers must be an integer >= 1, got {per_group!r}")
-        if security is not None and security.tls:
-            raise ValueError("SSHCluster does not start TLS clusters yet: its processes get the shared secret "
-                             "(start them with 'shoal scheduler/worker --tls-*' for TLS)")
         super().__init__(SSHLauncher(self._options, pythons), workers_per_group=per_group,
                          asynchronous=asynchronous, timeout=timeout, security=security)
         self._begin(len(hosts) - 1)
@@ -217,6 +218,13 @@ class SSHCluster(DeployedCluster):
                 raise ValueError(f"{what}: host {h!r} is named twice with different settings")
             out[h] = v
         return out
+
+    def _secret_env(self) -> dict[str, str]:
+        # the hosts may not have this host's files: the TLS files go with the secret
+        try:
+            return self.security.to_env(inline=True)
+        except OSError as exc:
+            raise DeployError(f"cannot read the cluster's TLS files: {exc}") from exc
 
     def _scheduler_spec(self) -> ProcessSpec:
         host = self.hosts[0]

@@ -5,10 +5,12 @@ each through an ``ssh`` session."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,3 +215,43 @@ def test_shoal_ssh_on_the_command_line(hosts: dict[str, Any]) -> None:
     for h in (h0, h1, h2):
         assert not _shoal_processes(h), _shoal_processes(h)
     assert not os.listdir(hosts["base"] / "cli-auth")
+
+
+def test_sshcluster_with_tls_sends_the_files_to_the_hosts_and_removes_them(hosts: dict[str, Any]) -> None:
+    h0, h1, h2 = hosts["hosts"]
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "shoal-tls-*")))
+    s = _session(hosts)
+    try:
+        out = s.step("""
+import glob, os, tempfile
+sec = shoal.Security.temporary()
+cluster = shoal.SSHCluster(IPS, connect_options=CONNECT, env=ENV, security=sec,
+                           worker_options={"n_workers": 1, "nthreads": 1, "memory_limit": 0},
+                           scheduler_options={"port": 0, "dashboard_address": None})
+c = shoal.Client(cluster)
+c.wait_for_workers(2, timeout=60)
+key = open(sec.key).read()
+out = {"address": cluster.scheduler_address, "workers": sorted(c.scheduler_info()["workers"]),
+       "total": c.submit(sum, range(10)).result(timeout=60),
+       "dirs": {d: [os.stat(d).st_mode & 0o777] + [os.stat(os.path.join(d, f)).st_mode & 0o777
+                                                   for f in sorted(os.listdir(d))]
+                for d in glob.glob(os.path.join(tempfile.gettempdir(), "shoal-tls-*"))},
+       "key_line": key.splitlines()[1], "own": os.path.dirname(sec.key)}
+""")
+        running = [cmd for h in (h0, h1, h2) for cmd in _shoal_processes(h)]
+        s.step("c.close()\ncluster.close()\nout = cluster.status")
+    finally:
+        s.step("if 'cluster' in globals(): cluster.close()")
+        s.close()
+    assert out["address"].startswith(f"tls://{h0.ip}:")
+    assert [a.split("//")[0] for a in out["workers"]] == ["tls:", "tls:"]
+    assert out["total"] == 45
+    # the files went on the sessions' stdin, each process's host wrote them to a
+    # private directory (one per process started), removed when it ended
+    made = {d: modes for d, modes in out["dirs"].items() if d not in before and d != out["own"]}
+    # the scheduler's and each worker group's: the directory 700, its CA, cert and key 600
+    assert sorted(made.values()) == [[0o700, 0o600, 0o600, 0o600]] * 3, made
+    assert not [cmd for cmd in running if out["key_line"] in cmd]
+    assert not set(glob.glob(os.path.join(tempfile.gettempdir(), "shoal-tls-*"))) - before - {out["own"]}
+    for h in (h0, h1, h2):
+        assert not _shoal_processes(h), _shoal_processes(h)
