@@ -190,7 +190,28 @@ class TaskState:
 # --------------------------------------------------------------------- the indexes
 
 
-class TaskQueue:
+class _Queued:
+    """What both queues answer from their members: membership, size, and the tasks in
+    priority order."""
+
+    __slots__ = ()
+    _members: set[TaskState] | dict[TaskState, Any]
+
+    def __contains__(self, ts: object) -> bool:
+        return ts in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __bool__(self) -> bool:
+        return bool(self._members)
+
+    def __iter__(self) -> Iterator[TaskState]:
+        """The queued tasks in priority order."""
+        return iter(sorted(self._members))
+
+
+class TaskQueue(_Queued):
     """The queued tasks, first by priority: a heap whose removals are lazy.
 
     Taking a task out of the middle (it was released, cancelled, its worker died) only
@@ -225,18 +246,6 @@ class TaskQueue:
         if len(self._heap) > 2 * len(self._members) + 64:
             self._heap = sorted((t.priority, t) for t in self._members)  # a sorted list is a heap
 
-    def __contains__(self, ts: object) -> bool:
-        return ts in self._members
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __bool__(self) -> bool:
-        return bool(self._members)
-
-    def __iter__(self) -> Iterator[TaskState]:
-        """The queued tasks in priority order."""
-        return iter(sorted(self._members))
 
     def peek(self) -> TaskState | None:
         """The first task by priority, left in; None when empty."""
@@ -265,7 +274,7 @@ def need_of(ts: TaskState) -> Need:
     return (ts.language, names, resources)
 
 
-class Queue:
+class Queue(_Queued):
     """The queued tasks, in buckets (:class:`TaskQueue`) by what they ask of their
     worker (:data:`Need`). A worker with room takes the first tasks by priority from
     the buckets it may serve (:meth:`buckets_for`), and looks at no other: queued
@@ -342,18 +351,6 @@ class Queue:
         needs = {need for name in names for need in self._by_name.get(name, ())}
         return sorted(ts for need in needs for ts in self._buckets[need])
 
-    def __contains__(self, ts: object) -> bool:
-        return ts in self._members
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __bool__(self) -> bool:
-        return bool(self._members)
-
-    def __iter__(self) -> Iterator[TaskState]:
-        """The queued tasks in priority order."""
-        return iter(sorted(self._members))
 
 
 class RoomIndex:

@@ -7,6 +7,7 @@ itself: the holder's answer to the fetcher is held back until the test lets it g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -74,7 +75,11 @@ def _fetching(fetcher: Worker, key: Any) -> bool:
     return t is not None and t.state == "flight"
 
 
-def test_a_worker_answers_for_a_value_it_is_fetching_once_it_has_it(held: dict[str, Any]) -> None:
+@contextlib.contextmanager
+def fetch_under_way(held: dict[str, Any]) -> Iterator[tuple[Worker, Any, Any]]:
+    """Two in-process workers: a list scattered to the holder, and a task on the
+    fetcher that needs it, whose fetch is under way (the holder's answer held back);
+    yields ``(fetcher, the list's future, the task's)``."""
     with shoal.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
             shoal.Client(cluster) as c:
         holder, fetcher = cluster.workers.values()
@@ -82,6 +87,11 @@ def test_a_worker_answers_for_a_value_it_is_fetching_once_it_has_it(held: dict[s
         [x] = c.scatter([list(range(100))], workers=[holder.address])
         y = c.submit(total, x, workers=[fetcher.address])
         wait_for(lambda: _fetching(fetcher, x.key), 10, "the fetch to be under way")
+        yield fetcher, x, y
+
+
+def test_a_worker_answers_for_a_value_it_is_fetching_once_it_has_it(held: dict[str, Any]) -> None:
+    with fetch_under_way(held) as (fetcher, x, y):
         answer: dict[str, Any] = {}
         asking = threading.Thread(target=lambda: answer.update(ask(fetcher.address, x.key)))
         asking.start()
@@ -96,14 +106,7 @@ def test_a_worker_answers_for_a_value_it_is_fetching_once_it_has_it(held: dict[s
 
 
 def test_without_the_value_in_time_it_answers_with_what_it_has(held: dict[str, Any]) -> None:
-    with config.set(host_fetch_wait=0.2), \
-            shoal.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
-            shoal.Client(cluster) as c:
-        holder, fetcher = cluster.workers.values()
-        held["address"] = holder.address
-        [x] = c.scatter([list(range(100))], workers=[holder.address])
-        y = c.submit(total, x, workers=[fetcher.address])
-        wait_for(lambda: _fetching(fetcher, x.key), 10, "the fetch to be under way")
+    with config.set(host_fetch_wait=0.2), fetch_under_way(held) as (fetcher, x, y):
         # the asker gets no value (it would fetch from another holder) and nothing breaks
         assert ask(fetcher.address, x.key) == {"status": "OK", "result": {"data": {}}}
         answered.set()
