@@ -144,9 +144,8 @@ class Comm(abc.ABC):
     def receive_large_frames_into(self, allocate: Any, min_bytes: int) -> None:
         """Receive the out-of-band frames of at least ``min_bytes`` of later messages
         into buffers made by ``allocate(nbytes)`` (a writable buffer, or ``None`` for
-        the usual one): a
-        worker lands values from another host in shared memory this way. Transports
-        that receive no frames (inproc) ignore it."""
+        the usual one): a worker lands values from another host in shared memory this
+        way. Transports that receive no frames (inproc) ignore it."""
 
     def __repr__(self) -> str:
         state = "closed" if self.closed() else "open"

@@ -6,10 +6,10 @@ never on a command line, where other users of the host could read it), then runs
 ``python -m shoal SHOAL-ARGS...`` with that environment, its output going where this
 process's goes. TLS files sent inline (``SHOAL_TLS_*_PEM``) are written to a private
 directory (mode 700, files 600), named to the child by their ``SHOAL_TLS_*`` paths,
-and removed when the child ends. When stdin ends (the launcher closed it, or the ssh connection broke)
-or a SIGTERM, SIGINT or SIGHUP arrives, the child gets a SIGTERM (it closes as for a
-Ctrl-C: a worker tells the scheduler) and a SIGKILL if it is still there
-:data:`KILL_AFTER` seconds later. Exits with the child's exit code.
+and removed when the child ends. When stdin ends (the launcher closed it, or the ssh
+connection broke) or a SIGTERM, SIGINT or SIGHUP arrives, the child gets a SIGTERM (it
+closes as for a Ctrl-C: a worker tells the scheduler) and a SIGKILL if it is still
+there :data:`KILL_AFTER` seconds later. Exits with the child's exit code.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue", "Queue", "Need", "need_of",
-           "RoomIndex", "dependents_closure", "find_cycle", "topological"]
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue",
+           "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "find_cycle", "topological"]
 
 
 #: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
@@ -350,7 +350,6 @@ class Queue(_Queued):
         order."""
         needs = {need for name in names for need in self._by_name.get(name, ())}
         return sorted(ts for need in needs for ts in self._buckets[need])
-
 
 
 class RoomIndex:

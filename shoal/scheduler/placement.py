@@ -4,13 +4,14 @@ transitions). The theory of operation is in :mod:`shoal.scheduler.state`.
 
 A task goes to the worker with room holding most of its input bytes, then to the
 least busy worker with room. Nothing here walks every worker: the holders of its
-inputs are scored, and a :class:`~.model.RoomIndex` per language keeps the workers
-with room by load (:meth:`Placement._touch` keeps them up to date wherever a worker's
-load or room may change); a task naming workers (``workers=``) scores those, found by
-name, and one asking for resources those that offer them. A dependent may go to its inputs' holder past its
-room (up to ``_HOLDER_OVERFILL`` times it), and sibling root tasks go together, so a
+inputs are scored, and a :class:`~.model.RoomIndex` per language and per resource
+keeps the workers with room by load (:meth:`Placement._touch` keeps them up to date
+wherever a worker's load or room may change); a task naming workers (``workers=``)
+scores those, found by name. A dependent may go to its inputs' holder past its room
+(up to ``_HOLDER_OVERFILL`` times it), and sibling root tasks go together, so a
 reduction's inputs are found where it runs. After each event, the workers whose room
-grew take tasks from the queue (:meth:`Placement._fill_opened`).
+grew take tasks from the queue (:meth:`Placement._fill_opened`), each from the
+buckets of the tasks it may run.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 :class:`~shoal.worker.state.WorkerState` (this class is its base). Inputs in a
 same-host segment are mapped in one batch (``AttachShm``); the others are asked of
 their holders, batched per peer (``GatherDep``; the holder the scheduler listed first
-is asked first: one of this host, or the host's worker fetching it), at most ``max_gathers`` peers and
-``transfer_bytes`` in flight at once. A pass over the pending fetches runs only when
+is asked first: one of this host, or the host's worker fetching it), at most
+``max_gathers`` peers and ``transfer_bytes`` in flight at once. A pass over the pending fetches runs only when
 something that may let one start has changed (:meth:`Fetching._fetch_outlook`). The
 theory of operation is in :mod:`shoal.worker.state`.
 """
