@@ -31,64 +31,13 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..scheduler.model import WorkerState
-from ..scheduler.state import SchedulerState
-
-if TYPE_CHECKING:
-    from .local import LocalCluster
+from ..scheduler.adaptive import desired_workers, retirable, retirement_order
 
 __all__ = ["Adaptive", "desired_workers", "retirable", "retirement_order", "parse_seconds"]
 
 logger = logging.getLogger("shoal.deploy")
-
-#: seconds a task is expected to take while no task's duration is known
-UNKNOWN_TASK_DURATION = 0.5
-
-
-def desired_workers(state: SchedulerState, threads_per_worker: int, target_duration: float) -> int:
-    """How many workers of ``threads_per_worker`` threads the runnable tasks of
-    ``state`` ask for, to be done in about ``target_duration`` seconds (0: none
-    runnable)."""
-    ready = len(state.queued) + sum(len(ws.processing) for ws in state.workers.values())
-    if ready == 0:
-        return 0
-    duration = state.average_duration if state.average_duration > 0 else UNKNOWN_TASK_DURATION
-    threads = min(ready, max(1, math.ceil(ready * duration / target_duration)))
-    return math.ceil(threads / threads_per_worker)
-
-
-def _unique(ws: WorkerState, going: Collection[WorkerState] = ()) -> list[Any]:
-    """The values someone needs (a client, a waiting task) that no worker but ``ws``
-    and those ``going`` holds."""
-    return [ts for ts in ws.has_what
-            if (ts.who_wants or ts.waiters) and not any(o is not ws and o not in going for o in ts.who_has)]
-
-
-def retirable(ws: WorkerState, going: Collection[WorkerState] = ()) -> bool:
-    """Whether ``ws`` may be retired, with the workers ``going`` (retired at the same
-    time), without losing anything: it runs nothing, and every value someone needs that
-    it holds has a holder that stays."""
-    return not ws.processing and not _unique(ws, going)
-
-
-def retirement_order(state: SchedulerState, addresses: Mapping[str, str]) -> list[str]:
-    """The names of ``addresses`` (name -> worker address, ``""`` while starting),
-    in the order they are best retired (see the module); the newest (last in
-    ``addresses``) first among equals."""
-
-    def cost(item: tuple[int, str]) -> tuple[Any, ...]:
-        order, name = item
-        ws = state.workers.get(addresses[name])
-        if ws is None:
-            return (0, 0, 0, 0, -order)  # not joined yet: nothing there
-        unique = sum(max(ts.nbytes, 0) for ts in _unique(ws))
-        return (1, len(ws.processing), unique, len(ws.has_what), -order)
-
-    return [name for _, name in sorted(enumerate(addresses), key=cost)]
-
 
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
@@ -113,12 +62,28 @@ def parse_seconds(value: float | str, what: str) -> float:
     return seconds
 
 
+class Adaptable(Protocol):
+    """What :class:`Adaptive` asks of a cluster."""
+
+    status: str
+
+    def _addresses(self) -> dict[str, str]:
+        """``{worker name: address}``, ``""`` for those not joined (yet)."""
+
+    async def _adaptive_plan(self, addresses: dict[str, str], target_duration: float) -> tuple[int, list[str]] | None:
+        """:func:`~shoal.scheduler.adaptive.plan` on the scheduler's state, or None."""
+
+    async def _scale(self, n: int) -> None: ...
+
+    async def _retire_safely(self, names: list[str]) -> list[str]: ...
+
+
 class Adaptive:
     """Keeps ``cluster``'s workers between ``minimum`` and ``maximum``, as many as the
     load asks for (see the module); returned by ``cluster.adapt()``. ``stop()`` ends
     it (the workers stay as they are)."""
 
-    def __init__(self, cluster: LocalCluster, minimum: int = 0, maximum: float = math.inf,
+    def __init__(self, cluster: Adaptable, minimum: int = 0, maximum: float = math.inf,
                  interval: float | str = "1s", wait_count: int = 3, target_duration: float | str = "5s"):
         if not isinstance(minimum, int) or minimum < 0:
             raise ValueError(f"minimum must be an integer >= 0, got {minimum!r}")
@@ -175,35 +140,28 @@ class Adaptive:
                 # a bug, or workers that would not start: try again at the next check
                 logger.exception("adaptive scaling of %r failed", self.cluster)
 
-    def target(self) -> int:
-        """How many workers the load asks for now, within ``minimum`` and ``maximum``."""
-        cluster = self.cluster
-        assert cluster.scheduler is not None
-        want = desired_workers(cluster.scheduler.state, cluster.threads_per_worker, self.target_duration)
-        return int(max(self.minimum, min(self.maximum, want)))
-
     async def adapt(self) -> None:
-        """One check: scale up to :meth:`target`, or retire workers that were retirable
-        and not needed ``wait_count`` checks in a row."""
+        """One check: scale up to what the load asks for (within ``minimum`` and
+        ``maximum``), or retire workers that were retirable and not needed
+        ``wait_count`` checks in a row. The cluster's ``_adaptive_plan`` reads the
+        scheduler's state (:func:`~shoal.scheduler.adaptive.plan`), in this process or
+        through the scheduler's ``adaptive-plan`` op."""
         cluster = self.cluster
-        if cluster.scheduler is None or cluster.status != "running":
+        if cluster.status != "running":
             return
-        target = self.target()
         addresses = cluster._addresses()
+        planned = await cluster._adaptive_plan(addresses, self.target_duration)
+        if planned is None:
+            return  # no scheduler to ask (yet)
+        desired, retirable_names = planned
+        target = int(max(self.minimum, min(self.maximum, desired)))
         have = len(addresses)
         if target >= have:
             self.close_counts.clear()
             if target > have:
                 await cluster._scale(target)
             return
-        state = cluster.scheduler.state
-        candidates: list[str] = []
-        going: list[WorkerState] = []
-        for name in retirement_order(state, addresses):
-            ws = state.workers.get(addresses[name])
-            if len(candidates) < have - target and ws is not None and retirable(ws, going):
-                candidates.append(name)
-                going.append(ws)
+        candidates = retirable_names[: have - target]
         self.close_counts = {name: self.close_counts.get(name, 0) + 1 for name in candidates}
         ready = [name for name, n in self.close_counts.items() if n >= self.wait_count]
         if ready:

@@ -31,6 +31,7 @@ from ..worker.memory import parse_memory_limit
 from ..worker.nanny import Nanny
 from ..worker.server import Worker
 from . import processes as _procs
+from ..scheduler.adaptive import plan
 from .adaptive import Adaptive, retirable, retirement_order
 from .logs import ClusterLogs
 from .processes import WorkerProcess, check_resources, reap, worker_argv
@@ -169,6 +170,12 @@ class LocalCluster:
         """The worker processes, those being stopped included."""
         handles = [*self.workers.values(), *self._retiring.values()]
         return [h.proc for h in handles if isinstance(h, WorkerProcess)]
+
+    async def _adaptive_plan(self, addresses: dict[str, str], target_duration: float) -> tuple[int, list[str]] | None:
+        """What :class:`~.adaptive.Adaptive` asks of the scheduler (in this process)."""
+        if self.scheduler is None:
+            return None
+        return plan(self.scheduler.state, addresses, self.threads_per_worker, target_duration)
 
     def _addresses(self) -> dict[str, str]:
         """``{name: worker address}`` of the workers, ``""`` for those that have not

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..comm.core import route_address
 from ..comm.security import Security, write_secret
+from ..scheduler.adaptive import plan
 from ..worker.memory import parse_memory_limit
 from .adaptive import Adaptive
 from .local import _hostport
@@ -271,7 +272,6 @@ class SlurmCluster(DeployedCluster):
                          security=security)
         self.scheduler: Any = None
         self._secret_file = os.path.join(self.log_directory, "secret")
-        self._adaptive: Adaptive | None = None
         self._begin(math.ceil(n_workers / processes))
 
     # -- the scheduler, in this process
@@ -288,8 +288,6 @@ class SlurmCluster(DeployedCluster):
             write_secret(self._secret_file, self.security.secret)
 
     async def _stop_scheduler(self) -> None:
-        if self._adaptive is not None:
-            self._adaptive.stop()
         if self.scheduler is not None:
             await self.scheduler.close()
         try:
@@ -351,16 +349,10 @@ class SlurmCluster(DeployedCluster):
                 out[job].append(ws.address)
         return out
 
-    def _addresses(self) -> dict[str, str]:
-        """``{job name: its worker's address}``, ``""`` while it waits in the queue."""
-        return {name: (found[0] if found else "") for name, found in self.worker_addresses.items()}
-
-    async def _retire_safely(self, names: list[str]) -> list[str]:
-        assert self._lock is not None
-        async with self._lock:
-            chosen = [name for name in names if name in self.workers]
-            await self._stop_groups(chosen)
-            return chosen
+    async def _adaptive_plan(self, addresses: dict[str, str], target_duration: float) -> tuple[int, list[str]] | None:
+        if self.scheduler is None:
+            return None
+        return plan(self.scheduler.state, addresses, self.threads_per_worker, target_duration)
 
     def adapt(self, minimum: int = 0, maximum: float = math.inf, interval: float | str = "1s",
               wait_count: int = 3, target_duration: float | str = "5s",
@@ -376,10 +368,5 @@ class SlurmCluster(DeployedCluster):
             minimum = minimum_jobs
         if maximum_jobs is not None:
             maximum = maximum_jobs
-        adaptive = Adaptive(self, minimum=minimum, maximum=maximum, interval=interval,  # type: ignore[arg-type]
-                            wait_count=wait_count, target_duration=target_duration)
-        if self._adaptive is not None:
-            self._adaptive.stop()
-        loop = self._loop_thread.loop if self._loop_thread is not None else asyncio.get_running_loop()
-        self._adaptive = adaptive.start(loop)
-        return adaptive
+        return super().adapt(minimum=minimum, maximum=maximum, interval=interval, wait_count=wait_count,
+                             target_duration=target_duration)

@@ -29,6 +29,7 @@ from typing import Any
 
 from .._loop import LoopThread
 from ..comm.security import Security
+from .adaptive import Adaptive
 
 __all__ = ["DeployError", "ProcessSpec", "Launched", "Launcher", "DeployedCluster"]
 
@@ -174,6 +175,7 @@ class DeployedCluster(abc.ABC):
         self._initial = 0
         self._lock: asyncio.Lock | None = None
         self._loop_thread: LoopThread | None = None
+        self._adaptive: Adaptive | None = None
 
     def _begin(self, n_groups: int) -> None:
         """For subclasses, last in ``__init__``: start ``n_groups`` groups (at once
@@ -202,6 +204,9 @@ class DeployedCluster(abc.ABC):
 
     def _secret_env(self) -> dict[str, str]:
         return self.security.to_env()
+
+    #: threads of each worker process (what adaptive scaling counts in)
+    threads_per_worker = 1
 
     #: whether starting groups (and so ``scale``) waits until their workers have joined;
     #: a batch system's jobs may wait in its queue: ``client.wait_for_workers`` does that
@@ -317,6 +322,56 @@ class DeployedCluster(abc.ABC):
         finally:
             await comm.close()
 
+    # -- adaptive scaling
+
+    def adapt(self, minimum: int = 0, maximum: float = math.inf, interval: float | str = "1s",
+              wait_count: int = 3, target_duration: float | str = "5s") -> Adaptive:
+        """Start groups while tasks wait for threads and stop idle ones whose values are
+        safe elsewhere, between ``minimum`` and ``maximum`` workers, as
+        :meth:`LocalCluster.adapt <shoal.deploy.LocalCluster.adapt>` (the policy reads
+        the scheduler's state through its ``adaptive-plan`` op). Needs groups of one
+        worker process: a group's workers go together. Replaces an earlier ``adapt()``;
+        returns the :class:`~.adaptive.Adaptive`, whose ``stop()`` ends it."""
+        if self.workers_per_group != 1:
+            raise ValueError("adapt() needs groups of one worker process: it retires workers one by one, "
+                             "and a group's workers go together")
+        adaptive = Adaptive(self, minimum=minimum, maximum=maximum, interval=interval, wait_count=wait_count,
+                            target_duration=target_duration)
+        if self._adaptive is not None:
+            self._adaptive.stop()
+        loop = self._loop_thread.loop if self._loop_thread is not None else asyncio.get_running_loop()
+        self._adaptive = adaptive.start(loop)
+        return adaptive
+
+    def _addresses(self) -> dict[str, str]:
+        """``{group name: its worker's address}``, ``""`` until it has joined."""
+        return {name: (found[0] if found else "") for name, found in self.worker_addresses.items()}
+
+    async def _adaptive_plan(self, addresses: dict[str, str], target_duration: float) -> tuple[int, list[str]] | None:
+        """The scheduler's :func:`~shoal.scheduler.adaptive.plan` for ``addresses``,
+        asked through its ``adaptive-plan`` op."""
+        from ..comm import connect
+        from ..rpc.core import send_recv
+
+        comm = await connect(self.scheduler_address, timeout=self.timeout, security=self.security)
+        try:
+            got = await send_recv(comm, "adaptive-plan", workers=addresses, threads_per_worker=self.threads_per_worker,
+                                  target_duration=target_duration)
+        finally:
+            await comm.close()
+        return int(got["desired"]), [str(name) for name in got["retirable"]]
+
+    async def _retire_safely(self, names: list[str]) -> list[str]:
+        """Stop those of the groups ``names`` whose workers are still retirable now (they
+        were when chosen; a task may have gone there since); returns their names."""
+        assert self._lock is not None
+        async with self._lock:
+            planned = await self._adaptive_plan(self._addresses(), 1.0)
+            still = set(planned[1]) if planned is not None else set()
+            chosen = [name for name in names if name in self.workers and name in still]
+            await self._stop_groups(chosen)
+            return chosen
+
     # -- logs
 
     def get_logs(self, scheduler: bool = True, workers: bool | list[str] = True) -> dict[str, str]:
@@ -352,6 +407,8 @@ class DeployedCluster(abc.ABC):
         if self.status == "closed":
             return
         self.status = "closing"
+        if self._adaptive is not None:
+            self._adaptive.stop()
         await asyncio.gather(*(self._stop_group(name) for name in list(self.workers)))
         await self._stop_scheduler()
         self.status = "closed"

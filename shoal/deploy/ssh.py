@@ -170,7 +170,8 @@ class SSHCluster(DeployedCluster):
     go to the hosts with the secret, on each session's stdin.
 
     ``scale(n)`` runs ``n`` worker processes (whole groups, over the worker hosts in
-    turn); ``get_logs()``; ``close()``. A host that cannot be reached fails the start
+    turn); ``adapt(minimum=, maximum=)`` scales by the load (groups of one worker
+    process); ``get_logs()``; ``close()``. A host that cannot be reached fails the start
     (or the scale) with :class:`~.spec.DeployError`, saying what ssh said.
     """
 
@@ -201,6 +202,10 @@ class SSHCluster(DeployedCluster):
         per_group = self.worker_options.get("n_workers", self.worker_options.get("nworkers", 1))
         if isinstance(per_group, bool) or not isinstance(per_group, int) or per_group < 1:
             raise ValueError(f"worker_options n_workers must be an integer >= 1, got {per_group!r}")
+        nthreads = self.worker_options.get("nthreads", 1)
+        if isinstance(nthreads, bool) or not isinstance(nthreads, int) or nthreads < 1:
+            raise ValueError(f"worker_options nthreads must be an integer >= 1, got {nthreads!r}")
+        self.threads_per_worker = nthreads
         super().__init__(SSHLauncher(self._options, pythons), workers_per_group=per_group,
                          asynchronous=asynchronous, timeout=timeout, security=security)
         self._begin(len(hosts) - 1)

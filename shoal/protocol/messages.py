@@ -478,6 +478,17 @@ class RebalancePlanMsg(Msg, tag="rebalance-plan"):
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
 
 
+class AdaptivePlanMsg(Msg, tag="adaptive-plan"):
+    """To the scheduler: what adaptive scaling needs of its state for the workers
+    ``workers`` names (name -> address, ``""`` while starting): how many workers of
+    ``threads_per_worker`` threads the load asks for, and which of them may go."""
+
+    workers: dict[str, str] = {}
+    threads_per_worker: int = 1
+    target_duration: float = 5.0
+    reply: bool = True
+
+
 class RemoveReplicasMsg(Msg, tag="remove-replicas"):
     """To the scheduler: drop these copies (``{key: [worker, ...]}``), each only while
     another worker holds the key; the scheduler tells the workers to free them."""
@@ -515,7 +526,7 @@ class RestartWorkersMsg(Msg, tag="restart-workers"):
 
 
 CLUSTER_OPS_REQUESTS = (WaitForWorkersMsg, HasWhatMsg, ProcessingMsg, VersionsMsg, RebalancePlanMsg,
-                        RemoveReplicasMsg, RestartMsg, RestartWorkersMsg, UploadFileMsg)
+                        RemoveReplicasMsg, RestartMsg, RestartWorkersMsg, UploadFileMsg, AdaptivePlanMsg)
 
 
 class NannyRestartMsg(Msg, tag="nanny-restart"):

@@ -2,7 +2,8 @@
 ``wait_for_workers``, ``has_what``, ``processing``, ``get_versions``, the plans of
 ``rebalance`` and the dropping of copies it (and ``replicate``) asks for, the
 cancelling half of ``restart`` and the restart of workers through their nannies,
-and ``upload_file``.
+``upload_file``, and the plan of adaptive scaling for a cluster whose scheduler runs
+in another process.
 
 Nothing here deserializes anything: copies of values are made by the client (it fetches
 them and places them with ``update-data``); the scheduler only plans moves and, through
@@ -25,6 +26,7 @@ from ..errors import CommError
 from ..protocol.messages import Key
 from ..protocol.versions import get_versions
 from ..rpc import error_message, request
+from .adaptive import plan
 from .events import CancelKeysEvent, ReleaseKeysEvent, RemoveReplicasEvent
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class SchedulerOps:
             "restart": self.restart,
             "restart-workers": self.restart_workers,
             "upload-file": self.upload_file,
+            "adaptive-plan": self.adaptive_plan,
         }
 
     # -- what is where
@@ -93,6 +96,18 @@ class SchedulerOps:
     def versions(self, comm: Comm | None, packages: list[str] | None = None) -> dict[str, Any]:
         """This process's versions (:func:`~shoal.protocol.versions.get_versions`)."""
         return get_versions(packages or ())
+
+    def adaptive_plan(self, comm: Comm | None, workers: dict[str, str], threads_per_worker: int = 1,
+                      target_duration: float = 5.0) -> dict[str, Any]:
+        """``{"desired": int, "retirable": [name]}``: :func:`~.adaptive.plan` for a
+        cluster whose adaptive scaling runs in another process (an SSHCluster's).
+        Raises ``ValueError`` for fewer than one thread or a duration not > 0."""
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        if not (target_duration > 0 and math.isfinite(target_duration)):
+            raise ValueError(f"target_duration must be a positive number of seconds, got {target_duration}")
+        desired, names = plan(self.scheduler.state, workers, threads_per_worker, target_duration)
+        return {"desired": desired, "retirable": names}
 
     # -- copies of values
 

@@ -55,7 +55,13 @@ def _session(hosts: dict[str, Any]) -> ClientSession:
     preamble = ("import json, shoal\n"
                 f"IPS = {ips!r}\n"
                 f"CONNECT = {{'client_keys': {hosts['key']!r}, 'known_hosts': {hosts['known_hosts']!r}}}\n"
-                f"ENV = {{'SHOAL_AUTH_DIR': {str(hosts['base'] / 'remote-auth')!r}}}\n")
+                f"ENV = {{'SHOAL_AUTH_DIR': {str(hosts['base'] / 'remote-auth')!r}}}\n"
+                # an SSHCluster of these hosts (groups of n_workers one-thread workers) and a client
+                "def start(n_workers=1, **options):\n"
+                "    cluster = shoal.SSHCluster(IPS, connect_options=CONNECT, env=ENV, **options,\n"
+                "        worker_options={'n_workers': n_workers, 'nthreads': 1, 'memory_limit': 0},\n"
+                "        scheduler_options={'port': 0, 'dashboard_address': None})\n"
+                "    return cluster, shoal.Client(cluster)\n")
     return ClientSession(hosts, preamble=preamble)
 
 
@@ -65,10 +71,7 @@ def test_sshcluster_runs_tasks_scales_logs_and_closes(hosts: dict[str, Any]) -> 
     try:
         started = s.step("""
 from operator import add
-cluster = shoal.SSHCluster(IPS, connect_options=CONNECT, env=ENV,
-                           worker_options={"n_workers": 2, "nthreads": 1, "memory_limit": 0},
-                           scheduler_options={"port": 0, "dashboard_address": None})
-c = shoal.Client(cluster)
+cluster, c = start(n_workers=2)
 info = c.scheduler_info()["workers"]
 xs = c.map(lambda i: i * i, range(40))
 while len(xs) > 1:
@@ -225,10 +228,7 @@ def test_sshcluster_with_tls_sends_the_files_to_the_hosts_and_removes_them(hosts
         out = s.step("""
 import glob, os, tempfile
 sec = shoal.Security.temporary()
-cluster = shoal.SSHCluster(IPS, connect_options=CONNECT, env=ENV, security=sec,
-                           worker_options={"n_workers": 1, "nthreads": 1, "memory_limit": 0},
-                           scheduler_options={"port": 0, "dashboard_address": None})
-c = shoal.Client(cluster)
+cluster, c = start(security=sec)
 c.wait_for_workers(2, timeout=60)
 key = open(sec.key).read()
 out = {"address": cluster.scheduler_address, "workers": sorted(c.scheduler_info()["workers"]),
@@ -255,3 +255,39 @@ out = {"address": cluster.scheduler_address, "workers": sorted(c.scheduler_info(
     assert not set(glob.glob(os.path.join(tempfile.gettempdir(), "shoal-tls-*"))) - before - {out["own"]}
     for h in (h0, h1, h2):
         assert not _shoal_processes(h), _shoal_processes(h)
+
+
+def test_sshcluster_adapts_to_the_load(hosts: dict[str, Any]) -> None:
+    """The policy runs in the client's process and reads the remote scheduler's state
+    through its ``adaptive-plan`` op: groups start while tasks wait, and the idle ones
+    stop once their values are safe (nothing needed is lost)."""
+    s = _session(hosts)
+    try:
+        out = s.step("""
+import time
+from shoal.testing import wait_for
+cluster, c = start()
+started = len(cluster.workers)
+adaptive = cluster.adapt(minimum=1, maximum=4, interval=0.2, wait_count=2, target_duration=0.5)
+futures = c.map(lambda i: (time.sleep(0.2), i)[1], range(40))
+wait_for(lambda: len(c.scheduler_info()["workers"]) == 4, timeout=90, what="four workers")
+busiest = len(cluster.workers)
+kept = c.submit(lambda: "kept", pure=False)
+total = sum(c.gather(futures))
+kept.result(timeout=60)
+del futures
+# idle: the groups go down to the one holding the value still wanted (or the minimum)
+wait_for(lambda: len(cluster.workers) == 1 and len(c.scheduler_info()["workers"]) == 1, timeout=90,
+         what="one group left, and the scheduler to have seen the others go")
+out = {"started": started, "busiest": busiest, "total": total, "kept": kept.result(timeout=60),
+       "left": len(c.scheduler_info()["workers"]), "repr": repr(adaptive)}
+adaptive.stop()
+c.close()
+cluster.close()
+""")
+    finally:
+        s.step("if 'cluster' in globals(): cluster.close()")
+        s.close()
+    assert out["started"] == 2 and out["busiest"] == 4
+    assert out["total"] == sum(range(40)) and out["kept"] == "kept"
+    assert out["left"] == 1 and "Adaptive minimum=1 maximum=4" in out["repr"]

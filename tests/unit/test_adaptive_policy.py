@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.deploy.adaptive import desired_workers, parse_seconds, retirable, retirement_order
+from shoal.scheduler.adaptive import plan
 from shoal.scheduler.state import AddWorkerEvent, NewTask, SchedulerState, TaskFinishedEvent, UpdateGraphEvent
 
 
@@ -52,6 +53,24 @@ def test_retirable_and_retirement_order() -> None:
     assert not retirable(w1)
     state.tasks["x"].who_wants.clear()
     assert retirable(w1)
+
+
+def test_the_plan_lists_the_workers_that_may_go_together_best_first() -> None:
+    state = _state_with(3)
+    w0, w1, w2 = (state.workers[f"tcp://w{i}:1"] for i in range(3))
+    state.handle(UpdateGraphEvent("graph", "c", [NewTask("x", "payload", restrictions=[w1.address])], ["x"]))
+    state.handle(TaskFinishedEvent("done", w1.address, "x", 100, 0.01))
+    # x is on w1 and w2: either may go, not both
+    state.tasks["x"].who_has.add(w2)
+    w2.has_what.add(state.tasks["x"])
+    addresses = {"worker-0": w0.address, "worker-1": w1.address, "worker-2": w2.address, "worker-3": ""}
+    desired, names = plan(state, addresses, 1, 5.0)
+    assert desired == 0  # nothing runnable
+    # the one still starting is not retired by the plan (it has not joined); of w1 and
+    # w2, the first in the order goes and the other must stay
+    assert names == ["worker-0", "worker-2"]
+    assert all(retirable(state.workers[addresses[n]], [state.workers[addresses[m]] for m in names[:i]])
+               for i, n in enumerate(names))
 
 
 @pytest.mark.parametrize("text, seconds", [(1, 1.0), (0.25, 0.25), ("1s", 1.0), ("100ms", 0.1), ("2 minutes", 120.0),
