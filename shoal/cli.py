@@ -564,6 +564,10 @@ def parser() -> argparse.ArgumentParser:
                      help="more options for ssh's -o (repeatable)")
     ssh.add_argument("--remote-python", default=sys.executable, metavar="PATH",
                      help="the Python with shoal installed on the hosts (default: this one's path)")
+    tls = ssh.add_argument_group("TLS (the files' contents go to the hosts, with the secret, over ssh)")
+    tls.add_argument("--tls-ca-file", default=None, help="CA certificate (PEM): the cluster is tls://")
+    tls.add_argument("--tls-cert", default=None, help="the cluster's certificate (PEM)")
+    tls.add_argument("--tls-key", default=None, help="its private key (PEM)")
     ssh.set_defaults(func=_ssh)
     return p
 
@@ -603,7 +607,10 @@ def _ssh(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cluster = SSHCluster(args.hosts, connect_options=connect, remote_python=args.remote_python,
+        sec = None
+        if args.tls_ca_file or args.tls_cert or args.tls_key:
+            sec = security.Security(ca_file=args.tls_ca_file, cert=args.tls_cert, key=args.tls_key)
+        cluster = SSHCluster(args.hosts, connect_options=connect, remote_python=args.remote_python, security=sec,
                              worker_options={"n_workers": args.nworkers, "nthreads": args.nthreads,
                                              "memory_limit": args.memory_limit},
                              scheduler_options={"port": args.scheduler_port,

@@ -216,6 +216,9 @@ class SlurmCluster(DeployedCluster):
     the nodes); ``scheduler_options``: ``host`` (the address the nodes reach; default:
     this host's address on its default route), ``port`` (default 0: a free one),
     ``dashboard_address`` (default None). ``n_workers``: worker processes to start with.
+    ``security``: with TLS files (``Security(ca_file=, cert=, key=)``) the cluster is
+    ``tls://``, and the jobs' workers read the files by their paths (the nodes share
+    the filesystem, as for ``log_directory``).
 
     ``job_script()`` is the next job's script; ``scale(n)`` (worker processes) or
     ``scale(jobs=)``; ``adapt(minimum=, maximum=)`` (workers, with ``processes=1``);
@@ -241,8 +244,6 @@ class SlurmCluster(DeployedCluster):
         total = parse_memory_limit(memory, 1)
         if not total:
             raise ValueError(f"memory must be a size (\"4GiB\", bytes), got {memory!r}")
-        if security is not None and security.tls:
-            raise ValueError("SlurmCluster does not start TLS clusters yet")
         unknown = set(scheduler_options or {}) - {"host", "port", "dashboard_address"}
         if unknown:
             raise TypeError(f"unknown scheduler option(s) {sorted(unknown)}; known: host, port, dashboard_address")
@@ -282,7 +283,8 @@ class SlurmCluster(DeployedCluster):
         opts = self.scheduler_options
         host = str(opts.get("host") or _default_host())
         self.scheduler = Scheduler(security=self.security, dashboard_address=opts.get("dashboard_address"))
-        await self.scheduler.start(f"tcp://{_hostport(host, int(opts.get('port', 0)))}")
+        scheme = "tls" if self.security.tls else "tcp"
+        await self.scheduler.start(f"{scheme}://{_hostport(host, int(opts.get('port', 0)))}")
         self.scheduler_address = self.scheduler.address
         if self.security.secret is not None:
             write_secret(self._secret_file, self.security.secret)
@@ -311,6 +313,11 @@ class SlurmCluster(DeployedCluster):
                 "--memory-limit", str(limit)]
         if self.security.secret is not None:
             argv += ["--auth-file", self._secret_file]
+        # a batch cluster's nodes share the filesystem: the TLS files go by their paths
+        for flag, path in (("--tls-ca-file", self.security.ca_file), ("--tls-cert", self.security.cert),
+                           ("--tls-key", self.security.key)):
+            if path is not None:
+                argv += [flag, os.path.abspath(path)]
         argv += self.worker_extra_args
         return ProcessSpec(f"{self.job_name}-{index}", "slurm", argv, env=dict(self.env), processes=self.processes)
 

@@ -192,16 +192,26 @@ out = errors
         s.close()
 
 
-def test_shoal_ssh_on_the_command_line(hosts: dict[str, Any]) -> None:
+@pytest.mark.parametrize("tls", [False, True])
+def test_shoal_ssh_on_the_command_line(hosts: dict[str, Any], tls: bool) -> None:
     h0, h1, h2 = hosts["hosts"]
     env = dict(hosts["env"], SHOAL_AUTH_DIR=str(hosts["base"] / "cli-auth"))
+    flags: list[str] = []
+    if tls:
+        from shoal import Security
+
+        sec = Security.temporary()
+        flags = ["--tls-ca-file", str(sec.ca_file), "--tls-cert", str(sec.cert), "--tls-key", str(sec.key)]
+        # the client on this machine: the secret from the auth file, the TLS files from here
+        env.update(SHOAL_TLS_CA_FILE=str(sec.ca_file), SHOAL_TLS_CERT=str(sec.cert), SHOAL_TLS_KEY=str(sec.key))
     p = h0.popen([sys.executable, "-m", "shoal", "ssh", h0.ip, h1.ip, h2.ip, "--nworkers", "1",
                   "--ssh-key", hosts["key"], "--known-hosts", hosts["known_hosts"], "--scheduler-port", "0",
-                  "--no-dashboard"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                  "--no-dashboard", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert p.stdout is not None and p.stderr is not None
     first = p.stdout.readline()
     assert first.startswith("shoal scheduler at "), (first, p.poll())
     address = first.split()[-1]
+    assert address.startswith("tls://" if tls else "tcp://"), address
     lines = [p.stdout.readline().strip() for _ in range(2)]
     assert [line.split()[0:3] for line in lines] == [["shoal", "worker", "at"]] * 2, lines
     # a client on this machine finds the secret in the auth file the command wrote

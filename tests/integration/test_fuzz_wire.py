@@ -444,6 +444,7 @@ REQUEST_OPS = {
     "restart": ("x", {"client": "canary"}),
     "restart-workers": ("x", {}),  # the extra field makes it a bad call: it never runs
     "upload-file": ("data", {"filename": "canary.py", "load": False}),
+    "adaptive-plan": ("workers", {}),
     "progress": ("keys", {"id": "canary"}),
     # worker plugins: kept opaque for the workers that join later
     "register-worker-plugin": ("plugin", {"name": "canary"}),

@@ -217,3 +217,18 @@ def test_a_job_that_sbatch_refuses_is_a_clear_error(slurm: dict[str, str], tmp_p
 def test_slurmcluster_arguments_are_checked(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises((ValueError, TypeError), match=says):
         shoal.SlurmCluster(**kwargs)
+
+
+def test_a_tls_cluster_of_jobs(slurm: dict[str, str], tmp_path: Path) -> None:
+    sec = shoal.Security.temporary()
+    with shoal.SlurmCluster(cores=1, memory="256MiB", log_directory=str(tmp_path), security=sec,
+                            scheduler_options={"host": "127.0.0.1"}) as cluster:
+        assert cluster.scheduler_address.startswith("tls://")
+        script = cluster.job_script()
+        assert f"--tls-cert {sec.cert}" in script and f"--tls-key {sec.key}" in script
+        cluster.scale(jobs=1)
+        with shoal.Client(cluster) as c:
+            c.wait_for_workers(1, timeout=120)
+            assert all(a.startswith("tls://") for a in c.scheduler_info()["workers"])
+            assert c.submit(lambda: 6 * 7).result(timeout=60) == 42
+    assert _jobs() == []
