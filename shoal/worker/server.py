@@ -31,11 +31,11 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, SerializationError, describe, short_repr
+from ..errors import CommError, ProtocolError, describe, short_repr
 from .. import config
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
-from ..protocol import REMOTE, SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, without_values
 from ..protocol.resources import check_resources
 from ..protocol.messages import (
@@ -55,18 +55,10 @@ from .memory import Thresholds, parse_memory_limit
 from .diagnostics import CpuMeter, Traffic
 from .monitor import MemoryMonitor, memory_report
 from .store import WorkerStore
-from .outcomes import (
-    UNSENDABLE,
-    MAX_RETRY_DELAY,
-    exception_for,
-    failure_event,
-    fetch_error,
-    inline_value,
-    may_pass,
-)
+from .outcomes import failure_event, inline_value
+from .peers import PeerData
 from .threads import TaskThreads
 from .state import (
-    SHM,
     AttachShm,
     ComputeTaskEvent,
     Execute,
@@ -74,8 +66,6 @@ from .state import (
     ExecuteSuccessEvent,
     FreeKeysEvent,
     GatherDep,
-    GatherDepFailureEvent,
-    GatherDepSuccessEvent,
     Instruction,
     Rejoin,
     MemoryTightEvent,
@@ -95,11 +85,7 @@ def _pooled_bytes() -> int:
 
 logger = logging.getLogger("shoal.worker")
 
-#: the states of a key on its way here (fetched, or mapped, from a peer)
-_COMING = ("fetch", "flight")
-
-
-class Worker:
+class Worker(PeerData):
     """A worker that joins the scheduler at ``scheduler_address``, with ``nthreads``
     task threads and the abstract ``resources`` it offers (``{"GPU": 2}``: tasks that
     ask for them run here, as many at once as the amounts allow). Raises ``ValueError``
@@ -447,14 +433,6 @@ class Worker:
             self._wake_awaited()
         return True
 
-    def _wake_awaited(self) -> None:
-        """Answer the get-data requests whose keys are no longer being fetched here."""
-        assert self.state is not None
-        tasks = self.state.tasks
-        for keys, done in self._awaited:
-            if not done.done() and not any((t := tasks.get(k)) is not None and t.state in _COMING for k in keys):
-                done.set_result(None)
-
     def _internal_error(self, exc: Exception, events: tuple[Any, ...]) -> None:
         """A bug met while handling ``events``: report it (logged at CRITICAL with the
         stories of their keys, kept in :data:`shoal.statelog.internal_errors`), and
@@ -594,88 +572,6 @@ class Worker:
         """Remove the plugin ``name``: see :func:`shoal.worker.plugin.remove_plugin`."""
         await remove_plugin(self, name)
 
-    async def _gather_dep(self, inst: GatherDep) -> None:
-        """Fetch ``inst.keys`` from peer ``inst.worker``. A failure that may pass (out of
-        descriptors or memory, here or at the peer) is tried again after a pause that
-        doubles, ``gather-attempts`` times in all; then the state machine hears of it."""
-        attempts = max(1, config.get("gather-attempts"))
-        delay = config.get("gather-retry-delay")
-        attempt = 1
-        while True:
-            try:
-                await self._fetch(inst)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if attempt < attempts and self.status == "running" and may_pass(exc):
-                    logger.info("fetching %d keys from %s failed (attempt %d of %d; again in %.2fs): %s",
-                                len(inst.keys), inst.worker, attempt, attempts, delay, describe(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, MAX_RETRY_DELAY)
-                    attempt += 1
-                    continue
-                logger.info("fetching %d keys from %s failed (attempt %d of %d): %s",
-                            len(inst.keys), inst.worker, attempt, attempts, describe(exc))
-                text = f"could not fetch {short_repr(inst.keys, 200)} from {inst.worker} ({attempt} attempt(s)): {describe(exc)}"
-                destination = self._scheduler_destination
-                self.handle_stimulus(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
-                                                  exception=exception_for(fetch_error(exc, text), destination)))
-                return
-
-    async def _fetch(self, inst: GatherDep) -> None:
-        """One attempt of :meth:`_gather_dep`: raises if it did not get an answer."""
-        began = time.time()
-        comm = await self.pool.connect(inst.worker)
-        if self.use_shm and comm.destination == REMOTE:
-            # large values land in pooled segments: keeping them for this host is no copy
-            comm.receive_large_frames_into(shm_born.land, shm_family.TRANSFER_MIN_BYTES)
-        try:
-            await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
-            response = await comm.read()
-        except BaseException:
-            comm.abort()
-            raise
-        finally:
-            self.pool.reuse(inst.worker, comm)
-        if isinstance(response, dict) and response.get("type") == UNSENDABLE:
-            # the peer is fine; its values cannot travel: asking again would not help
-            text = f"{inst.worker} cannot send {inst.keys!r:.200} here: {response.get('message')}"
-            destination = self._scheduler_destination
-            self.handle_stimulus(GatherDepFailureEvent(self._stimulus("gather-unsendable"), inst.worker, inst.keys,
-                                              text, exception_for(SerializationError(text), destination)))
-            return
-        if not isinstance(response, dict) or response.get("status") != "OK":
-            raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
-        data = response["result"]["data"]
-        nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.traffic.fetched(comm.destination, nbytes, data.values(), inst.worker, began, time.time())
-        kept: dict[Any, Any] = {}
-        try:
-            if self.use_shm and comm.destination == REMOTE:
-                await self._keep_for_host(data, nbytes, kept)
-            self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("gather"), inst.worker, data, inst.keys, nbytes,
-                                                       kept))
-        finally:
-            for key in kept:
-                self.store.unexpect(key)  # no-op for the values the store took
-
-    async def _keep_for_host(self, data: dict[Any, Any], nbytes: dict[Any, int], kept: dict[Any, Any]) -> None:
-        """Put the large values that came from another host in segments of this worker
-        (copied in a thread, off the loop), so that the other workers of this host map
-        them instead of fetching them across again; replaces them in ``data`` and puts
-        their segment infos in ``kept`` (the store takes the segments with the values)."""
-        fits = self.store.fits if self.monitor is None else self.monitor.fits
-        for key, value in list(data.items()):
-            if nbytes[key] < shm_family.TRANSFER_MIN_BYTES or not fits(nbytes[key]):
-                continue
-            placed = await asyncio.to_thread(self._place, value)
-            if placed is None:
-                continue
-            segment, data[key] = placed
-            self.store.expect(key, segment)
-            kept[key] = segment.info
-
     # -- rpc handlers
 
     def _place(self, value: Any) -> tuple[shm.Segment, Any] | None:
@@ -704,54 +600,9 @@ class Worker:
             if segment is not None:
                 self.store.unexpect(event.key)  # no-op when the store took the value
 
-    def _attach(self, inst: AttachShm) -> None:
-        """Map inputs that same-host peers placed in shared memory: no peer involved."""
-        data: dict[Any, Any] = {}
-        nbytes: dict[Any, int] = {}
-        for key, info in zip(inst.keys, inst.infos):
-            try:
-                value = shm.attach(info)
-            except Exception as exc:  # gone, reused, corrupt: whatever it is, ask the holders
-                logger.info("cannot map %r from shared memory (%s); asking its holders", key, exc)
-                continue
-            data[key] = value
-            nbytes[key] = sizeof(value)
-        self.traffic.mapped(nbytes, time.time())
-        self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
-
     def identity(self, comm: Comm | None = None) -> dict[str, Any]:
         return {"address": self.address, "nthreads": self.nthreads, "name": self.name,
                 "pid": os.getpid(), "host": socket.gethostname()}
-
-    def get_data(self, comm: Comm, keys: list[Any]) -> Any:
-        assert self.state is not None
-        tasks = self.state.tasks
-        coming = {k for k in keys if k not in self.store and (t := tasks.get(k)) is not None and t.state in _COMING}
-        if coming:
-            return self._get_data_once_fetched(comm, keys, coming)
-        return self._serve(comm, keys)
-
-    async def _get_data_once_fetched(self, comm: Comm, keys: list[Any], coming: set[Any]) -> dict[str, Any]:
-        """``get-data`` for keys this worker is fetching itself (the scheduler named it
-        to the other workers of its host as the one fetching them): the answer waits
-        until those fetches have ended, or ``host-fetch-wait`` seconds."""
-        entry = (coming, asyncio.get_running_loop().create_future())
-        self._awaited.append(entry)
-        try:
-            await asyncio.wait([entry[1]], timeout=config.get("host-fetch-wait"))
-        finally:
-            self._awaited.remove(entry)
-        return self._serve(comm, keys)
-
-    def _serve(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
-        store = self.store
-        # a spilled value is read for the peer and stays on disk here
-        found = {k: store.peek(k) for k in keys if k in store}
-        self.traffic.served(comm.destination, sum(sizeof(v) for v in found.values()), found.values())
-        return {"data": {k: to_serialize(v) for k, v in found.items()}}
-
-    def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
-        return dict(self.traffic.moved)
 
     def update_data(self, comm: Comm, data: dict[Any, Any]) -> dict[str, Any]:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}

@@ -144,3 +144,32 @@ def test_queued_tasks_for_workers_that_all_left_err_and_the_others_wait_on():
     assert s.ts("by-either").state == s.ts("loosely").state == "queued"
     s.finish("tcp://10.0.0.2:1", sorted(ts.key for ts in s.state.workers["tcp://10.0.0.2:1"].processing)[0])
     s.state.validate()
+
+
+def test_a_worker_with_room_takes_the_first_queued_task_it_may_run() -> None:
+    """Queued tasks wait in buckets by what they ask of their worker; a worker that has
+    room again takes, of all the buckets it may serve, the first task by priority."""
+    s = Sched()
+    s(AddWorkerEvent(s.sid(), "a", 1, resources={"GPU": 1}))
+    s(AddWorkerEvent(s.sid(), "b", 1))
+    s(AddWorkerEvent(s.sid(), "js", 1, languages=("javascript",)))
+    fill = [NewTask(f"fill-{i}", b"p") for i in range(6)] + [
+        NewTask(f"fill-js-{i}", b"p", language="javascript") for i in range(3)]
+    s.submit(*fill)  # every worker full (1 thread + 2 ahead)
+    s.submit(NewTask("gpu", b"p", resources={"GPU": 1}, priority=1), NewTask("on-b", b"p", restrictions=["b"], priority=2),
+             NewTask("any", b"p"), NewTask("js", b"p", language="javascript", priority=3))
+    assert {ts.key for ts in s.state.queued} == {"gpu", "on-b", "any", "js"}
+    # a finishes: the GPU task (priority 1) comes before "any"; "on-b" and "js" are not its
+    running_on = {w: sorted(ts.key for ts in s.state.workers[w].processing) for w in ("a", "b", "js")}
+    out = s.finish("a", running_on["a"][0])
+    assert [k for w, k in computes(out)] == ["gpu"]
+    # b finishes: "on-b" (priority 2) before "any"
+    out = s.finish("b", running_on["b"][0])
+    assert [k for w, k in computes(out)] == ["on-b"]
+    out = s.finish("b", running_on["b"][1])
+    assert [k for w, k in computes(out)] == ["any"]
+    # the JavaScript worker takes the JavaScript task, and only it
+    out = s.finish("js", running_on["js"][0])
+    assert computes(out) == [("js", "js")]
+    assert not s.state.queued
+    s.state.validate()
