@@ -26,12 +26,12 @@ from typing import Any
 from .._loop import LoopThread
 from ..comm import security, shm
 from ..comm.security import Security
+from ..scheduler.adaptive import plan
 from ..scheduler.server import Scheduler
 from ..worker.memory import parse_memory_limit
 from ..worker.nanny import Nanny
 from ..worker.server import Worker
 from . import processes as _procs
-from ..scheduler.adaptive import plan
 from .adaptive import Adaptive, retirable, retirement_order
 from .logs import ClusterLogs
 from .processes import WorkerProcess, check_resources, reap, worker_argv

@@ -366,6 +366,7 @@ class DeployedCluster(abc.ABC):
         were when chosen; a task may have gone there since); returns their names."""
         assert self._lock is not None
         async with self._lock:
+            # (the duration only shapes how many workers the plan desires: not used here)
             planned = await self._adaptive_plan(self._addresses(), 1.0)
             still = set(planned[1]) if planned is not None else set()
             chosen = [name for name in names if name in self.workers and name in still]
