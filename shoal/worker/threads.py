@@ -16,6 +16,7 @@ tasks than it has slots.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import queue
@@ -33,6 +34,37 @@ _RETIRE: Any = object()
 _STOP: Any = object()
 
 
+class _Handoff:
+    """A priority queue for handing work to threads: a heap under a lock, and one
+    token per item in a ``SimpleQueue`` that takers block on. A put is a lock, a
+    ``heappush`` and a token, all in C: the event loop hands a task over without
+    ``queue.PriorityQueue``'s condition variable (Python code on every put)."""
+
+    __slots__ = ("_heap", "_lock", "_tokens")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, tuple[Any, ...], int, Any]] = []
+        self._lock = threading.Lock()
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def put(self, item: tuple[int, tuple[Any, ...], int, Any]) -> None:
+        with self._lock:
+            heapq.heappush(self._heap, item)
+        self._tokens.put(None)  # after the push: a taker with a token finds an item
+
+    def get(self) -> tuple[int, tuple[Any, ...], int, Any]:
+        """The first item (waits for one)."""
+        self._tokens.get()
+        with self._lock:
+            return heapq.heappop(self._heap)
+
+    def get_nowait(self) -> tuple[int, tuple[Any, ...], int, Any]:
+        """The first item; ``queue.Empty`` when there is none."""
+        self._tokens.get_nowait()
+        with self._lock:
+            return heapq.heappop(self._heap)
+
+
 class TaskThreads:
     """``nthreads`` daemon threads named ``name-N`` (started with the first
     :meth:`submit`) that run callables submitted with it, each after ``initializer()``
@@ -47,7 +79,7 @@ class TaskThreads:
         self._initializer = initializer
         #: (0 for control items / 1 for work, priority, order of submission, item):
         #: control first, then work by priority, ties in submission order
-        self._queue: queue.PriorityQueue[tuple[int, tuple[Any, ...], int, Any]] = queue.PriorityQueue()
+        self._queue = _Handoff()
         self._order = itertools.count()
         self._local = threading.local()
         self._lock = threading.Lock()
