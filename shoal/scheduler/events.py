@@ -82,15 +82,28 @@ class NewTask:
     language: str = "python"
 
 
+#: the most tasks a graph's copy in the scheduler's log keeps (:meth:`UpdateGraphEvent.logged`)
+LOGGED_GRAPH_MAX = 10_000
+
+
 @dataclass
 class UpdateGraphEvent(Event):
     client: str
     tasks: list[NewTask]
     #: keys the client holds futures for
     wanted: list[Key]
+    #: in a logged copy: how many tasks (and wanted keys) it left out
+    omitted: int = 0
 
     def logged(self) -> UpdateGraphEvent:
-        """This event for the log: the tasks without their payloads."""
+        """This event for the log: the tasks without their payloads. A graph of more
+        than :data:`LOGGED_GRAPH_MAX` tasks is logged without its tasks and wanted
+        keys, only their number (``omitted``): its copy would cost about as much as the
+        scheduler's own record of the graph (a million tasks, 110 MB), and the log is
+        bounded. A replay stops being exact there, as it does where the log's bound
+        drops old events."""
+        if len(self.tasks) > LOGGED_GRAPH_MAX:
+            return UpdateGraphEvent(self.stimulus_id, self.client, [], [], omitted=len(self.tasks))
         tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries, t.priority, t.resources,
                          t.loose_restrictions, t.language) for t in self.tasks]
         return UpdateGraphEvent(self.stimulus_id, self.client, tasks, self.wanted)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "NONE_YET", "PrefixGroup", "TaskQueue",
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "Few", "FEW", "plus", "minus", "PrefixGroup", "TaskQueue",
            "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "find_cycle", "topological"]
 
 
@@ -46,24 +46,42 @@ class PrefixGroup:
 # ------------------------------------------------------------------------- the model
 
 
-class _NoneYet(frozenset):  # type: ignore[type-arg]
-    """The empty set a task's sets start as, shared by all of them: a set costs 216
-    bytes, and most tasks never need some of theirs (who holds it, who wants it, who
-    waits for it). Reading, ``discard`` and ``clear`` work as on an empty set; adding
-    goes through :class:`TaskState`'s methods, which put a set of the task's own in
-    its place first."""
+T = TypeVar("T")
 
-    __slots__ = ()
+#: a task's small sets: a tuple while it has at most :data:`FEW` members, a set
+#: beyond. Most of a task's sets hold none or one member (its one dependent, the
+#: client that wants it, the worker that holds it), and a set costs 216 bytes where a
+#: tuple of one costs 56; the empty tuple is shared. Read them as any collection (``in``,
+#: iteration, ``len``); change them only through :func:`plus` and :func:`minus` (which
+#: :class:`TaskState`'s methods use), which return the container to keep.
+Few: TypeAlias = "tuple[T, ...] | set[T]"
 
-    def discard(self, item: object) -> None:
-        pass
-
-    def clear(self) -> None:
-        pass
+#: the most members a :data:`Few` holds as a tuple (its ``in`` is a scan)
+FEW = 8
 
 
-#: the one :class:`_NoneYet` (as a set of anything: reads are all it takes)
-NONE_YET: set[Any] = cast("set[Any]", _NoneYet())
+def plus(c: Few[T], x: T) -> Few[T]:
+    """``c`` with ``x`` in it (``c`` itself when it is a set, changed)."""
+    if type(c) is tuple:
+        if x in c:
+            return c
+        if len(c) < FEW:
+            return (*c, x)
+        c = set(c)
+    c.add(x)  # type: ignore[union-attr]
+    return c
+
+
+def minus(c: Few[T], x: T) -> Few[T]:
+    """``c`` without ``x`` (``c`` itself when it is a set, changed)."""
+    if type(c) is tuple:
+        if len(c) == 1:
+            return () if c[0] == x else c
+        if x not in c:
+            return c
+        return tuple([y for y in c if y != x])
+    c.discard(x)  # type: ignore[union-attr]
+    return c
 
 
 @dataclass(eq=False)
@@ -104,8 +122,8 @@ class WorkerState:
 
 @dataclass(eq=False, slots=True)
 class TaskState:
-    """One task as the scheduler knows it. Its sets start as the shared empty
-    :data:`NONE_YET`: add to them with the methods below, never with ``.add``."""
+    """One task as the scheduler knows it. Its sets are :data:`Few`: change them with
+    the methods below (or :func:`plus`/:func:`minus`), empty them with ``()``."""
 
     key: Key
     payload: Any = None
@@ -114,14 +132,14 @@ class TaskState:
     priority: tuple[int, ...] = (0, 0, 0)
     #: its inputs, in priority order (fixed when it is made; emptied when it is forgotten)
     dependencies: tuple[TaskState, ...] = ()
-    dependents: set[TaskState] = field(default=NONE_YET)
+    dependents: Few[TaskState] = ()
     #: dependencies not in memory yet
-    waiting_on: set[TaskState] = field(default=NONE_YET)
+    waiting_on: Few[TaskState] = ()
     #: dependents that have yet to run and need this value
-    waiters: set[TaskState] = field(default=NONE_YET)
-    who_has: set[WorkerState] = field(default=NONE_YET)
+    waiters: Few[TaskState] = ()
+    who_has: Few[WorkerState] = ()
     processing_on: WorkerState | None = None
-    who_wants: set[str] = field(default=NONE_YET)
+    who_wants: Few[str] = ()
     #: where it may run: worker addresses, names or hosts (None: anywhere)
     restrictions: set[str] | None = None
     #: ``restrictions`` are a preference (allow_other_workers)
@@ -160,31 +178,33 @@ class TaskState:
 
     def want(self, client: str) -> None:
         """``client`` wants this value."""
-        if self.who_wants is NONE_YET:
-            self.who_wants = set()
-        self.who_wants.add(client)
+        self.who_wants = plus(self.who_wants, client)
+
+    def unwant(self, client: str) -> None:
+        self.who_wants = minus(self.who_wants, client)
 
     def add_dependent(self, ts: TaskState) -> None:
-        if self.dependents is NONE_YET:
-            self.dependents = set()
-        self.dependents.add(ts)
+        self.dependents = plus(self.dependents, ts)
+
+    def drop_dependent(self, ts: TaskState) -> None:
+        self.dependents = minus(self.dependents, ts)
 
     def add_waiter(self, ts: TaskState) -> None:
         """The dependent ``ts`` has yet to run and needs this value."""
-        if self.waiters is NONE_YET:
-            self.waiters = set()
-        self.waiters.add(ts)
+        self.waiters = plus(self.waiters, ts)
+
+    def drop_waiter(self, ts: TaskState) -> None:
+        self.waiters = minus(self.waiters, ts)
 
     def wait_on(self, dep: TaskState) -> None:
         """This task waits for its input ``dep`` to be in memory."""
-        if self.waiting_on is NONE_YET:
-            self.waiting_on = set()
-        self.waiting_on.add(dep)
+        self.waiting_on = plus(self.waiting_on, dep)
 
     def add_holder(self, ws: WorkerState) -> None:
-        if self.who_has is NONE_YET:
-            self.who_has = set()
-        self.who_has.add(ws)
+        self.who_has = plus(self.who_has, ws)
+
+    def drop_holder(self, ws: WorkerState) -> None:
+        self.who_has = minus(self.who_has, ws)
 
 
 # --------------------------------------------------------------------- the indexes

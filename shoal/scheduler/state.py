@@ -521,7 +521,7 @@ class SchedulerState(Placement):
             ts = self.tasks.get(key)
             if ts is None:
                 continue
-            ts.who_wants.discard(ev.client)
+            ts.unwant(ev.client)
             if not ts.who_wants and not ts.waiters:
                 recs[ts] = "forgotten"
         self._recommend(recs)
@@ -542,7 +542,7 @@ class SchedulerState(Placement):
                 cancelled = [ts, *dependents_closure(ts, seen)]
             for dts in cancelled:
                 if ev.client in dts.who_wants:
-                    dts.who_wants.discard(ev.client)
+                    dts.unwant(ev.client)
                     self._emit(ClientMsg(self._stimulus, ev.client, to_wire(CancelledKeyMsg(dts.key))))
                 if not dts.who_wants:
                     # tasks other clients still need keep their waiters: "forgotten" skips them

@@ -14,7 +14,7 @@ from typing import Any
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
-from .model import PrefixGroup, Queue, TaskState, TState, WorkerState
+from .model import PrefixGroup, Queue, TaskState, TState, WorkerState, minus
 
 __all__ = ["TaskTransitions", "HOST_COPY_MIN_BYTES"]
 
@@ -224,15 +224,16 @@ class TaskTransitions:
         recs: dict[TaskState, str] = {}
         for dts in sorted(ts.dependents):
             if ts in dts.waiting_on:
-                dts.waiting_on.discard(ts)
+                dts.waiting_on = minus(dts.waiting_on, ts)
                 if not dts.waiting_on and dts.state == "waiting":
                     recs[dts] = "processing"
-        ts.waiting_on.clear()
+        ts.waiting_on = ()
         for dep in ts.dependencies:
-            dep.waiters.discard(ts)
+            dep.waiters = minus(dep.waiters, ts)
             if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                 recs[dep] = "forgotten"
-        ts.who_wants.discard(FIRE_AND_FORGET)  # it ran to the end: nothing more to hold it for
+        if ts.who_wants:
+            ts.unwant(FIRE_AND_FORGET)  # it ran to the end: nothing more to hold it for
         if ts.who_wants:
             self._to_clients(ts, self._in_memory_msg(ts))
         elif not ts.waiters:
@@ -255,7 +256,7 @@ class TaskTransitions:
                 ws.has_what.discard(ts)
                 ws.nbytes -= max(ts.nbytes, 0)
                 self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
-            ts.who_has.clear()
+            ts.who_has = ()
             ts.inline = ts.shm = ts.fetchers = None
         elif start == "erred":
             ts.exception = ts.traceback = ts.exception_blame = None
@@ -263,10 +264,10 @@ class TaskTransitions:
             ts.error_kind = ""
         self._set_state(ts, "released")
         for dep in ts.dependencies:
-            dep.waiters.discard(ts)
+            dep.waiters = minus(dep.waiters, ts)
             if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                 recs[dep] = "forgotten"
-        ts.waiting_on.clear()
+        ts.waiting_on = ()
         # dependents still to run must wait for this value again
         for dts in ts.dependents:
             if dts.state == "waiting":
@@ -283,8 +284,8 @@ class TaskTransitions:
         self._set_state(ts, "forgotten")
         del self.tasks[ts.key]
         for dep in ts.dependencies:
-            dep.dependents.discard(ts)
-            dep.waiters.discard(ts)
+            dep.dependents = minus(dep.dependents, ts)
+            dep.waiters = minus(dep.waiters, ts)
             if not dep.dependents and not dep.who_wants and dep.state in ("released", "erred", "memory"):
                 recs[dep] = "forgotten"
         ts.dependencies = ()
@@ -321,13 +322,14 @@ class TaskTransitions:
                 elif t.state == "processing" and t.processing_on is not None:
                     self._unassign(t, tell=True)
             self._set_state(t, "erred")
-            t.who_wants.discard(FIRE_AND_FORGET)
+            if t.who_wants:
+                t.unwant(FIRE_AND_FORGET)
             t.exception, t.traceback, t.exception_text = exception, traceback, text
             t.exception_blame = blame
             t.error_kind = kind
-            t.waiting_on.clear()
+            t.waiting_on = ()
             for dep in t.dependencies:
-                dep.waiters.discard(t)
+                dep.waiters = minus(dep.waiters, t)
                 if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
                     recs[dep] = "forgotten"
             self._report_error(t)
@@ -404,7 +406,10 @@ class TaskTransitions:
             elif dts.state == "queued":
                 self._dequeue(dts)
                 self._set_state(dts, "waiting")
-                dts.waiting_on = {d for d in dts.dependencies if d.state != "memory"}
+                dts.waiting_on = ()
+                for d in dts.dependencies:
+                    if d.state != "memory":
+                        dts.wait_on(d)
             # a processing dependent stays: its worker may have the value already, and
             # gives the task back (reschedule) if it cannot get it
         if ts.waiters or ts.who_wants:
@@ -430,7 +435,7 @@ class TaskTransitions:
 
     def _drop_replica(self, ts: TaskState, ws: WorkerState) -> None:
         """``ws`` no longer holds ``ts``'s value (nor its segment)."""
-        ts.who_has.discard(ws)
+        ts.drop_holder(ws)
         ws.has_what.discard(ts)
         ws.nbytes -= max(ts.nbytes, 0)
         if ts.shm is not None and ts.shm.pop(ws.address, None) is not None and not ts.shm:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .model import FEW
+
 if TYPE_CHECKING:
     from .state import SchedulerState
 
@@ -41,7 +43,7 @@ def validate_state(state: SchedulerState) -> None:
             assert all(d.state == "memory" for d in ts.dependencies), ts
         if ts.state == "waiting":
             assert ts.waiting_on, f"{ts} waits on nothing"
-            assert ts.waiting_on == {d for d in ts.dependencies if d.state != "memory"}, ts
+            assert set(ts.waiting_on) == {d for d in ts.dependencies if d.state != "memory"}, ts
             assert all(d.state in ("waiting", "queued", "processing") for d in ts.waiting_on), ts
         else:
             assert not ts.waiting_on, ts
@@ -49,7 +51,7 @@ def validate_state(state: SchedulerState) -> None:
             assert ts.who_wants or ts.dependents, f"{ts} is needed by nobody: it should be forgotten"
         if ts.state == "released":
             assert not ts.waiters, ts
-        assert ts.waiters == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
+        assert set(ts.waiters) == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
         if ts.state == "erred":
             assert ts.exception_blame is not None, ts
         for dep in ts.dependencies:
@@ -60,6 +62,9 @@ def validate_state(state: SchedulerState) -> None:
             assert state.tasks.get(dts.key) is dts, f"{ts} has forgotten dependent {dts}"
         for ws in ts.who_has:
             assert ts in ws.has_what and state.workers.get(ws.address) is ws
+        for few in (ts.dependents, ts.waiting_on, ts.waiters, ts.who_has, ts.who_wants):
+            if type(few) is tuple:
+                assert len(few) <= FEW and len(set(few)) == len(few), (ts, few)
     assert len(state.queued) == len(set(state.queued))
     for ts in state.queued:
         assert ts.state == "queued" and state.tasks.get(ts.key) is ts

@@ -40,18 +40,18 @@ def test_retirable_and_retirement_order() -> None:
     state.handle(TaskFinishedEvent("done", w1.address, "x", 100, 0.01))
     assert retirable(w0) and retirable(w2) and not retirable(w1)  # the only copy of a wanted value
     # a copy elsewhere makes it safe, unless that one goes at the same time
-    state.tasks["x"].who_has.add(w2)
+    state.tasks["x"].add_holder(w2)
     w2.has_what.add(state.tasks["x"])
     assert retirable(w1) and not retirable(w1, going=[w2])
     addresses = {"worker-0": w0.address, "worker-1": w1.address, "worker-2": w2.address, "worker-3": ""}
     # not joined yet, then the empty newest first, the holders last
     assert retirement_order(state, addresses) == ["worker-3", "worker-0", "worker-2", "worker-1"]
     # a value nobody needs any more keeps no worker
-    state.tasks["x"].who_has.discard(w2)
+    state.tasks["x"].drop_holder(w2)
     w2.has_what.discard(state.tasks["x"])
     state.validate()
     assert not retirable(w1)
-    state.tasks["x"].who_wants.clear()
+    state.tasks["x"].who_wants = ()
     assert retirable(w1)
 
 
@@ -61,7 +61,7 @@ def test_the_plan_lists_the_workers_that_may_go_together_best_first() -> None:
     state.handle(UpdateGraphEvent("graph", "c", [NewTask("x", "payload", restrictions=[w1.address])], ["x"]))
     state.handle(TaskFinishedEvent("done", w1.address, "x", 100, 0.01))
     # x is on w1 and w2: either may go, not both
-    state.tasks["x"].who_has.add(w2)
+    state.tasks["x"].add_holder(w2)
     w2.has_what.add(state.tasks["x"])
     addresses = {"worker-0": w0.address, "worker-1": w1.address, "worker-2": w2.address, "worker-3": ""}
     desired, names = plan(state, addresses, 1, 5.0)

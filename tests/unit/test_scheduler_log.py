@@ -4,9 +4,10 @@ state gives the same instructions."""
 
 from __future__ import annotations
 
-
+import pytest
 from scheduler_harness import Sched, task, without_user_data
 
+from shoal.scheduler import events
 from shoal.scheduler.state import AddClientEvent, AddWorkerEvent, TaskFinishedEvent, UpdateGraphEvent
 from shoal.statelog import DROPPED
 
@@ -51,3 +52,21 @@ def test_a_recorded_log_replays_into_a_fresh_state() -> None:
     assert without_user_data(replayed) == without_user_data(h.instructions)
     assert list(fresh.log.transitions) == list(h.state.log.transitions)
     assert {k: ts.state for k, ts in fresh.tasks.items()} == {k: ts.state for k, ts in h.state.tasks.items()}
+
+
+def test_a_big_graph_is_logged_by_its_size_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log keeps no copy of a graph over its bound (a copy of a million tasks
+    would cost as much as the scheduler's record of them); smaller graphs are kept
+    whole. The graph runs the same either way."""
+    monkeypatch.setattr(events, "LOGGED_GRAPH_MAX", 3)
+    s = Sched()
+    s.add_worker("w1")
+    s(UpdateGraphEvent("small", "c", [task("a"), task("b", "a")], ["b"]))
+    s(UpdateGraphEvent("big", "c", [task(f"x{i}") for i in range(4)], [f"x{i}" for i in range(4)]))
+    small, big = s.state.log.stimuli("small", "big")
+    assert [t.key for t in small.tasks] == ["a", "b"] and small.wanted == ["b"] and small.omitted == 0
+    assert (big.tasks, big.wanted, big.omitted) == ([], [], 4)
+    states = {k: ts.state for k, ts in s.state.tasks.items()}
+    assert (states.pop("a"), states.pop("b")) == ("processing", "waiting")
+    assert sorted(states) == ["x0", "x1", "x2", "x3"] and set(states.values()) <= {"processing", "queued"}
+    s.state.validate()

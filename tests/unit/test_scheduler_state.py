@@ -79,7 +79,7 @@ def test_diamond_frees_the_root_after_both_branches(s: Sched) -> None:
     assert sorted(computes(out)) == [("w1", "b"), ("w1", "c")]
     out = s.finish("w1", "b")
     assert not frees(out) and not computes(out)
-    assert s.ts("d").waiting_on == {s.ts("c")}
+    assert set(s.ts("d").waiting_on) == {s.ts("c")}
     out = s.finish("w1", "c")
     assert frees(out) == {"w1": {"a"}}
     d = compute_of(out, "d")
@@ -315,7 +315,7 @@ def test_release_keeps_keys_another_client_wants(s: Sched) -> None:
     s.finish("w1", "x")
     out = s.release("x")
     assert not frees(out)
-    assert s.ts("x").who_wants == {"c2"}
+    assert set(s.ts("x").who_wants) == {"c2"}
     out = s(RemoveClientEvent(s.sid(), "c2"))
     assert frees(out) == {"w1": {"x"}}
     assert s.state.tasks == {}
@@ -400,7 +400,7 @@ def test_a_graph_with_a_cycle_is_refused_and_changes_nothing(s: Sched) -> None:
     assert [(c, m["key"], m["kind"]) for c, m in msgs(out)] == [("c", "p", "GraphError"), ("c", "b", "GraphError")]
     assert all(m["text"].startswith("GraphError: the graph has a cycle") for _, m in msgs(out))
     assert s.states() == before
-    assert s.ts("x").who_wants == {"c"} and not s.ts("x").dependents
+    assert set(s.ts("x").who_wants) == {"c"} and not s.ts("x").dependents
 
 
 def test_a_task_depending_on_itself_is_a_cycle(s: Sched) -> None:
@@ -425,7 +425,7 @@ def test_resubmitting_a_key_in_memory_reports_it_at_once(s: Sched) -> None:
     s.finish("w1", "x", nbytes=5)
     out = s.submit(task("x"), client="c2")
     assert out == [ClientMsg(out[0].stimulus_id, "c2", {"op": "key-in-memory", "key": "x", "nbytes": 5, "workers": ["w1"]})]
-    assert s.ts("x").who_wants == {"c", "c2"}
+    assert set(s.ts("x").who_wants) == {"c", "c2"}
 
 
 def test_resubmitting_a_freed_intermediate_recomputes_it(s: Sched) -> None:
@@ -481,10 +481,10 @@ def test_lost_input_of_a_waiting_task_is_recomputed(s: Sched) -> None:
     s.submit(task("a"), task("b", workers=["w2"]), task("c", "a", "b"), wanted=["c"])
     assert s.on("a") == "w1"
     s.finish("w1", "a")
-    assert s.ts("c").waiting_on == {s.ts("b")}
+    assert set(s.ts("c").waiting_on) == {s.ts("b")}
     out = s.remove_worker("w1", crashed=False)
     assert computes(out) == [("w2", "a")]
-    assert s.ts("c").waiting_on == {s.ts("a"), s.ts("b")}
+    assert set(s.ts("c").waiting_on) == {s.ts("a"), s.ts("b")}
     s.finish("w2", "b")
     out = s.finish("w2", "a")
     assert computes(out) == [("w2", "c")]
@@ -562,7 +562,7 @@ def test_scattered_value_lost_while_a_dependent_waits(s: Sched) -> None:
     s.add_worker("w2", nthreads=1)
     s.scatter({"x": ["w1"]})
     s.submit(task("slow", workers=["w2"]), task("y", "x", "slow"), wanted=["y"])
-    assert s.ts("y").waiting_on == {s.ts("slow")}
+    assert set(s.ts("y").waiting_on) == {s.ts("slow")}
     out = s.remove_worker("w1")
     erred = {m["key"]: m for _, m in msgs(out, "task-erred")}
     assert erred["y"]["kind"] == "LostData" and erred["y"]["blame"] == "x"
@@ -667,7 +667,7 @@ def test_scatter_adds_replicas_and_clients(s: Sched) -> None:
     s.scatter({"x": ["w1"]}, {"x": 40})
     s.scatter({"x": ["w2"]}, {"x": 40}, client="c2")
     assert {ws.address for ws in s.ts("x").who_has} == {"w1", "w2"}
-    assert s.ts("x").who_wants == {"c", "c2"}
+    assert set(s.ts("x").who_wants) == {"c", "c2"}
     assert s.state.workers["w2"].nbytes == 40
 
 
@@ -730,7 +730,7 @@ def test_an_illegal_transition_raises_and_changes_nothing(s: Sched) -> None:
     before = (b.state, set(b.waiting_on), b.processing_on)
     with pytest.raises(InvalidTransition, match="waiting -> memory"):
         s.state._transition(b, "memory")
-    assert (b.state, b.waiting_on, b.processing_on) == before
+    assert (b.state, set(b.waiting_on), b.processing_on) == before
     s.state.validate()
 
 
