@@ -12,7 +12,8 @@ Both state machines (:class:`~shoal.scheduler.state.SchedulerState` and
   :meth:`StateLog.story` tells what happened to a key and which stimulus did it.
 
 Both are bounded (oldest first out): the log costs a deque append per event and per
-transition, and no more memory than its bounds.
+transition, and no more memory than its bounds (which count the tasks of logged
+graphs too).
 """
 
 from __future__ import annotations
@@ -106,11 +107,13 @@ class Transition(NamedTuple):
 
 
 class StateLog:
-    """The last ``events`` events and the last ``transitions`` transitions."""
+    """The last ``events`` events and the last ``transitions`` transitions; the
+    events kept hold at most ``tasks`` tasks of graphs in all (older events go first to
+    make room: a graph's copy costs ~110 bytes per task)."""
 
-    __slots__ = ("events", "transitions", "_starts")
+    __slots__ = ("events", "transitions", "_starts", "tasks", "_tasks_held")
 
-    def __init__(self, events: int = 10_000, transitions: int = 100_000):
+    def __init__(self, events: int = 10_000, transitions: int = 100_000, tasks: int = 10_000):
         self.events: deque[Any] = deque(maxlen=events)
         #: ``(key, start, finish, stimulus_id)`` tuples (plain: this is on the hot
         #: path; :meth:`story` gives :class:`Transition`\ s)
@@ -118,13 +121,31 @@ class StateLog:
         #: per logged event, whether it began a ``handle()`` call (a machine may decide
         #: at the end of a call, over all its events: a replay makes the same calls)
         self._starts: deque[bool] = deque(maxlen=events)
+        self.tasks = tasks
+        #: the tasks of the graphs in ``events``
+        self._tasks_held = 0
 
     def event(self, ev: Any, first: bool = True) -> None:
         """Keep ``ev`` (its ``logged()`` copy when it has one); ``first``: it is the
         first event of its ``handle()`` call."""
         logged = getattr(ev, "logged", None)
-        self.events.append(ev if logged is None else logged())
+        if logged is not None:
+            ev = logged()
+        events = self.events
+        n = len(getattr(ev, "tasks", None) or ())
+        if n:
+            while events and self._tasks_held + n > self.tasks:
+                self._drop_oldest()
+            self._tasks_held += n
+        if len(events) == events.maxlen and events:
+            self._drop_oldest()
+        events.append(ev)
         self._starts.append(first)
+
+    def _drop_oldest(self) -> None:
+        old = self.events.popleft()
+        self._starts.popleft()
+        self._tasks_held -= len(getattr(old, "tasks", None) or ())
 
     def calls(self) -> list[list[Any]]:
         """The logged events grouped as they were handled, one list per ``handle()``

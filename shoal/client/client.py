@@ -36,6 +36,7 @@ from ..taskspec import RunSpec, raise_serialization_error, tokenize, unique_toke
 from .cluster_ops import ClusterOps
 from .diagnostics import TaskStreamMethods
 from .collections import DaskCollections
+from . import graphs
 from ..worker.context import waiting
 from .default import set_default, unset_default
 from .plugins import Plugins
@@ -418,7 +419,19 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         if self._stream is None:
             return
         try:
-            self._stream.send(*msgs)
+            batch: list[dict[str, Any]] = []
+            for msg in msgs:
+                if msg["op"] == "update-graph" and len(msg["tasks"]) >= graphs.GRAPH_CHUNK:
+                    # a part of a big graph goes in a write of its own: the scheduler
+                    # starts on it while the next is serialized and sent
+                    if batch:
+                        self._stream.send(*batch)
+                        batch = []
+                    self._stream.send(msg, alone=True)
+                else:
+                    batch.append(msg)
+            if batch:
+                self._stream.send(*batch)
         except CommError:
             pass
 
@@ -473,7 +486,15 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
                 spec = spec.data if isinstance(spec, Serialize) else spec
                 if isinstance(spec, RunSpec):
                     spec.handoff = True
-        self._enqueue({"op": "update-graph", "tasks": tasks, "wanted": wanted})
+        parts, held = graphs.split_graph(tasks, wanted)
+        for part, part_wanted in parts:
+            self._enqueue({"op": "update-graph", "tasks": part, "wanted": part_wanted})
+        if held:
+            # the parts are sent: the dependents of these keys are known to the
+            # scheduler now, so it keeps their values as long as they are needed
+            with self._lock:
+                held = [k for k in held if self._refcount.get(k, 0) == 0]
+            self._enqueue({"op": "release-keys", "keys": held}, lazy=True)
 
     def _unsendable(self, msg: Any, error: SerializationError) -> Any:
         """An ``update-graph`` that cannot be serialized for the scheduler: a task's

@@ -18,7 +18,7 @@ from ..errors import GraphError
 from ..protocol import to_serialize
 from ..taskspec import Ref, RunSpec, Task
 
-__all__ = ["graph_to_tasks", "pack", "flatten_keys"]
+__all__ = ["graph_to_tasks", "pack", "flatten_keys", "split_graph", "GRAPH_CHUNK"]
 
 
 def flatten_keys(keys: Any, out: list[Any]) -> list[Any]:
@@ -181,3 +181,61 @@ def _convert_legacy(dsk: dict[Hashable, Any]) -> list[dict[str, Any]]:
             spec = RunSpec(_identity, (conv(v, deps),))
         tasks.append({"key": key, "payload": to_serialize(spec), "deps": list(deps), "workers": None, "retries": 0})
     return tasks
+
+
+#: a graph of more tasks than this goes to the scheduler in parts of about this many
+#: (:func:`split_graph`): the scheduler starts the first part's tasks while the client
+#: still sends (and the scheduler takes in) the rest
+GRAPH_CHUNK = 20_000
+
+
+def split_graph(tasks: list[dict[str, Any]], wanted: list[Any], size: int | None = None
+                ) -> tuple[list[tuple[list[dict[str, Any]], list[Any]]], list[Any]]:
+    """``tasks`` (in the order to run them) cut into parts of at least ``size`` tasks,
+    each an ``update-graph`` of its own: ``([(tasks, wanted), ...], held)``.
+
+    A part ends only where every task so far has its inputs in this part or an earlier
+    one (so each part refers only to keys the scheduler knows); a graph whose order
+    allows no cut stays whole. A part wants the keys of ``wanted`` it defines, and also
+    its tasks that later parts depend on (``held``): the scheduler would forget a value
+    nobody wants or waits for before its dependents arrive. The caller releases
+    ``held`` once the last part is sent; the keys of ``wanted`` no part defines (keys
+    already on the cluster) go with the last part. ``size`` defaults to
+    :data:`GRAPH_CHUNK`."""
+    if size is None:
+        size = GRAPH_CHUNK
+    if len(tasks) <= size:
+        return [(tasks, wanted)], []
+    defined = {t["key"] for t in tasks}
+    later: dict[Any, int] = {}  # key -> dependents not sent yet
+    for t in tasks:
+        for d in t["deps"]:
+            if d in defined:
+                later[d] = later.get(d, 0) + 1
+    want = set(wanted)
+    seen: set[Any] = set()
+    ahead: set[Any] = set()  # inputs named before their task came
+    parts: list[tuple[list[dict[str, Any]], list[Any]]] = []
+    held: list[Any] = []
+    start = 0
+    for i, t in enumerate(tasks):
+        key = t["key"]
+        seen.add(key)
+        ahead.discard(key)
+        for d in t["deps"]:
+            if d in defined:
+                later[d] -= 1
+                if d not in seen:
+                    ahead.add(d)
+        if i + 1 - start >= size and not ahead and i + 1 < len(tasks):
+            part = tasks[start:i + 1]
+            keep = [p["key"] for p in part if later.get(p["key"], 0) > 0 and p["key"] not in want]
+            held.extend(keep)
+            parts.append((part, [p["key"] for p in part if p["key"] in want] + keep))
+            start = i + 1
+    if not parts:
+        return [(tasks, wanted)], []
+    last = tasks[start:]
+    placed = {k for _, w in parts for k in w} | {p["key"] for p in last}
+    parts.append((last, [p["key"] for p in last if p["key"] in want] + [k for k in wanted if k not in placed]))
+    return parts, held

@@ -30,6 +30,9 @@ class BatchedSend:
     waits up to ``lazy_delay`` (the ``batched-lazy-delay`` setting, 10 ms) and goes out
     with the next message that must go now, in the order sent, costing no write or
     wake-up of its own.
+    ``send(msg, alone=True)`` is for a big message (a part of a big graph): it goes in
+    a write of its own, after what was sent before it, so the peer can start on it
+    while the next is serialized, and no small message waits for it.
     The reader receives lists. ``close()`` flushes what is pending, then closes the comm.
 
     A message that cannot be serialized for the peer (a user's value in it does not
@@ -59,6 +62,8 @@ class BatchedSend:
         self._idle = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recent: deque[float] = deque()
+        #: the ids of the messages in ``buffer`` sent with ``alone``
+        self._alone: set[int] = set()
 
     def start(self, comm: Comm) -> None:
         """Begin sending on ``comm`` (call on the loop that owns it)."""
@@ -69,17 +74,23 @@ class BatchedSend:
         if self.buffer:
             self._wake.set()
 
-    def send(self, *msgs: Any, lazy: bool = False) -> None:
+    def send(self, *msgs: Any, lazy: bool = False, alone: bool = False) -> None:
         """Queue messages (call on the stream's loop); raises
         :class:`~shoal.errors.CommClosedError` once closed."""
         if self._closing or (self.comm is not None and self.comm.closed()):
             raise CommClosedError(f"batched stream {self.name} is closed")
+        if alone:
+            self._alone.update(map(id, msgs))
+            self.buffer.extend(msgs)
+            if self._wake is not None:
+                self._wake.set()
+            return
         if lazy:
             self.buffer.extend(msgs)
             if self._lazy_timer is None and self._loop is not None:
                 self._lazy_timer = self._loop.call_later(self.lazy_delay, self._lazy_due)
             return
-        if self._idle and self._write_now(self.buffer + list(msgs) if self.buffer else list(msgs)):
+        if self._idle and not self._alone and self._write_now(self.buffer + list(msgs) if self.buffer else list(msgs)):
             self.buffer = []
             self._cancel_lazy()
             return
@@ -147,7 +158,9 @@ class BatchedSend:
                     if self._closing:
                         return
                     continue
-                batch, self.buffer = self.buffer, []
+                batch, self.buffer = self._next_batch()
+                if self.buffer:
+                    self._wake.set()  # (what follows a message sent alone)
                 self._cancel_lazy()
                 self.message_count += len(batch)
                 self.batch_count += 1
@@ -168,6 +181,21 @@ class BatchedSend:
             logger.exception("batched stream %s: cannot send a batch; aborting the stream", self.name)
             self._closing = True
             self.comm.abort()
+
+    def _next_batch(self) -> tuple[list[Any], list[Any]]:
+        """(the next write, what stays in the buffer): all of it, unless a message
+        sent alone is in it (it goes by itself, after what came before it)."""
+        buffer, alone = self.buffer, self._alone
+        if not alone:
+            return buffer, []
+        for i, msg in enumerate(buffer):
+            if id(msg) in alone:
+                if i:
+                    return buffer[:i], buffer[i:]
+                alone.discard(id(msg))
+                return [msg], buffer[1:]
+        alone.clear()  # (not in the buffer any more: dropped by abort)
+        return buffer, []
 
     async def _send_one_by_one(self, batch: list[Any]) -> None:
         """Send ``batch`` a message at a time; what does not serialize goes to

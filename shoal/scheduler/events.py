@@ -82,7 +82,8 @@ class NewTask:
     language: str = "python"
 
 
-#: the most tasks a graph's copy in the scheduler's log keeps (:meth:`UpdateGraphEvent.logged`)
+#: a graph of more tasks than this is logged by its size only (:meth:`UpdateGraphEvent.logged`;
+#: the log's own bound, ``StateLog.tasks``, is as many tasks of all its graphs)
 LOGGED_GRAPH_MAX = 10_000
 
 

@@ -105,6 +105,8 @@ logger = logging.getLogger("shoal.scheduler")
 
 #: a worker's messages note it alive at most this often (seconds)
 _SEEN_EVERY = 0.05
+#: after a graph of this many tasks (a part of a big one) the loop turns before the next
+_YIELD_AFTER_TASKS = 1_000
 
 
 class Scheduler:
@@ -445,6 +447,7 @@ class Scheduler:
         self._apply(AddClientEvent(self._stimulus("add-client"), client))
         where = f"client {client}: "
         msg: Msg | None  # None while waiting (below)
+        big = False
         try:
             while True:
                 closing = False
@@ -459,9 +462,16 @@ class Scheduler:
                         closing = True
                     else:
                         self._client_msg(client, msg)
+                        if type(msg) is UpdateGraphMsg and len(msg.tasks) >= _YIELD_AFTER_TASKS:
+                            big = True
                 # hold no message while waiting for the next: its payloads (and their
                 # shared memory) must go when their tasks are forgotten
                 raw = msg = None
+                if big:
+                    # a part of a big graph: let the tasks it started go to their
+                    # workers (and their results come in) before the next part
+                    big = False
+                    await asyncio.sleep(0)
                 if same_host:
                     shm.work_off()  # arguments of tasks forgotten just now go back at once
                 if closing:

@@ -679,6 +679,24 @@ async def test_batched_send_lazy_messages_alone_go_after_the_delay(address):
         await stream.close()
 
 
+async def test_batched_send_writes_a_message_sent_alone_by_itself(address):
+    """A big message (a part of a big graph) goes in a write of its own, in order:
+    what came before it first, what comes after it next."""
+    async with comm_pair(address) as (client, server):
+        stream = BatchedSend(interval=0.01, name="alone")
+        stream.start(client)
+        await asyncio.sleep(0)  # the stream parks, idle
+        stream.send({"a": 1}, {"a": 2})
+        stream.send({"part": 1}, alone=True)
+        stream.send({"part": 2}, alone=True)
+        stream.send({"b": 3}, {"b": 4})
+        reads = [await asyncio.wait_for(server.read(), 10) for _ in range(4)]
+        assert reads == [[{"a": 1}, {"a": 2}], [{"part": 1}], [{"part": 2}], [{"b": 3}, {"b": 4}]]
+        stream.send({"part": 3}, alone=True)
+        await stream.close()  # flushed on close too
+        assert await asyncio.wait_for(server.read(), 10) == [{"part": 3}]
+
+
 async def test_batched_send_with_an_unserializable_message(address, caplog):
     lock = threading.Lock()
     async with comm_pair(address) as (client, server):

@@ -209,6 +209,34 @@ def test_dask_annotate_reaches_the_scheduler(cluster, client):
     assert (tasks["plain-double"].priority, tasks["plain-double"].retries) == (0, 0)
 
 
+def test_a_big_graph_goes_in_parts_and_leaves_only_its_result(cluster, client, monkeypatch):
+    """A graph of more than ``GRAPH_CHUNK`` tasks reaches the scheduler as several
+    update-graphs; the values later parts need are kept until those parts arrive, and
+    released after: once the result is in, the scheduler holds no other value, and
+    once it is released, nothing."""
+    from shoal.client import graphs
+    from shoal.scheduler.state import UpdateGraphEvent
+
+    monkeypatch.setattr(graphs, "GRAPH_CHUNK", 40)
+    since = len(cluster.scheduler.state.log.events)
+    x = da.ones(300, chunks=1)
+    total = client.compute((x + 1).sum(split_every=4))
+    assert int(total.result()) == 600
+    parts = [ev for ev in list(cluster.scheduler.state.log.events)[since:]
+             if isinstance(ev, UpdateGraphEvent) and ev.tasks]
+    assert len(parts) >= 5 and all(len(ev.tasks) >= 40 for ev in parts[:-1])
+    assert parts[-1].wanted[0] == total.key
+    state = cluster.scheduler.state
+    keys = {t.key for ev in parts for t in ev.tasks}
+
+    def held() -> set:
+        return {k for k in keys if (ts := state.tasks.get(k)) is not None and (ts.state == "memory" or ts.who_wants)}
+
+    wait_until(lambda: held() == {total.key})
+    total.release()
+    wait_until(lambda: not keys & state.tasks.keys())
+
+
 def test_call_options_and_context_apply_to_every_task(cluster, client):
     since = len(cluster.scheduler.state.log.events)
     with dask.annotate(retries=1):

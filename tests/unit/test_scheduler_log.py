@@ -9,7 +9,7 @@ from scheduler_harness import Sched, task, without_user_data
 
 from shoal.scheduler import events
 from shoal.scheduler.state import AddClientEvent, AddWorkerEvent, TaskFinishedEvent, UpdateGraphEvent
-from shoal.statelog import DROPPED
+from shoal.statelog import DROPPED, StateLog
 
 
 def test_instructions_carry_the_event_stimulus_and_the_log_keeps_it(s: Sched) -> None:
@@ -70,3 +70,15 @@ def test_a_big_graph_is_logged_by_its_size_only(monkeypatch: pytest.MonkeyPatch)
     assert (states.pop("a"), states.pop("b")) == ("processing", "waiting")
     assert sorted(states) == ["x0", "x1", "x2", "x3"] and set(states.values()) <= {"processing", "queued"}
     s.state.validate()
+
+
+def test_the_log_holds_a_bounded_number_of_graph_tasks() -> None:
+    """Many graphs under the single-graph bound still cost the log no more than its
+    bound of tasks: the oldest events go first."""
+    log = StateLog(events=100, tasks=5)
+    for i in range(4):
+        log.event(UpdateGraphEvent(f"g{i}", "c", [task(f"x{i}"), task(f"y{i}", f"x{i}")], [f"y{i}"]))
+        log.event(AddClientEvent(f"a{i}", f"c{i}"))
+    assert [e.stimulus_id for e in log.events] == ["a1", "g2", "a2", "g3", "a3"]
+    assert sum(len(getattr(e, "tasks", ())) for e in log.events) == 4
+    assert [len(c) for c in log.calls()] == [1, 1, 1, 1, 1]

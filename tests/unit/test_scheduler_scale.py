@@ -393,3 +393,47 @@ def test_depth_first_order_stops_at_a_cycle():
     tasks = [{"key": "a", "deps": ["b"]}, {"key": "b", "deps": ["a"]}, {"key": "c", "deps": ["a"]}]
     rank = graphs._depth_first(tasks, ["c"])
     assert sorted(rank) == ["a", "b", "c"]  # (the scheduler then refuses the cycle)
+
+
+# -- a big graph goes to the scheduler in parts
+
+
+def _chain_and_tree(n: int) -> list[dict[str, Any]]:
+    """Tasks in depth-first order: ``n`` sums, each of two leaves; then a total of all."""
+    tasks: list[dict[str, Any]] = []
+    for i in range(n):
+        tasks += [{"key": f"l{i}a", "deps": []}, {"key": f"l{i}b", "deps": []},
+                  {"key": f"s{i}", "deps": [f"l{i}a", f"l{i}b"]}]
+    tasks.append({"key": "total", "deps": [f"s{i}" for i in range(n)]})
+    return tasks
+
+
+def test_a_big_graph_is_cut_where_every_input_came_before():
+    """Each part names only keys of its own or of earlier parts."""
+    from shoal.client import graphs
+
+    tasks = _chain_and_tree(10)  # 31 tasks
+    parts, held = graphs.split_graph(tasks, ["total", "s3"], size=7)
+    sent: set[Any] = set()
+    for part, wanted in parts:
+        for t in part:
+            assert all(d in sent or d in {p["key"] for p in part} for d in t["deps"])
+        sent |= {t["key"] for t in part}
+    assert [len(p) for p, _ in parts] == [7, 7, 7, 7, 3]
+    assert [t for p, _ in parts for t in p] == tasks
+    # what later parts need is held (wanted) by its part; s3, wanted anyway, is not "held"
+    assert [w for _, w in parts] == [["s0", "s1", "l2a"], ["s3", "s2", "l4a", "l4b"], ["s4", "s5", "s6"],
+                                     ["s7", "s8", "l9a"], ["total"]]
+    assert held == ["s0", "s1", "l2a", "s2", "l4a", "l4b", "s4", "s5", "s6", "s7", "s8", "l9a"]
+    # small graphs, and orders that never allow a cut, stay whole
+    assert graphs.split_graph(tasks, ["total"], size=40) == ([(tasks, ["total"])], [])
+    backwards = tasks[::-1]
+    assert graphs.split_graph(backwards, ["total"], size=7) == ([(backwards, ["total"])], [])
+
+
+def test_wanted_keys_no_part_defines_go_with_the_last_part():
+    from shoal.client import graphs
+
+    tasks = [{"key": f"x{i}", "deps": ["on-cluster"] if i == 0 else []} for i in range(6)]
+    parts, held = graphs.split_graph(tasks, ["x1", "on-cluster", "x5"], size=2)
+    assert [w for _, w in parts] == [["x1"], [], ["x5", "on-cluster"]] and held == []
