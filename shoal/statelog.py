@@ -132,20 +132,23 @@ class StateLog:
         if logged is not None:
             ev = logged()
         events = self.events
-        n = len(getattr(ev, "tasks", None) or ())
-        if n:
+        tasks = getattr(ev, "tasks", None)
+        if tasks or self._tasks_held:
+            n = len(tasks) if tasks else 0
             while events and self._tasks_held + n > self.tasks:
                 self._drop_oldest()
+            if len(events) == events.maxlen:
+                self._drop_oldest()  # (the deque would drop it unseen)
             self._tasks_held += n
-        if len(events) == events.maxlen and events:
-            self._drop_oldest()
         events.append(ev)
         self._starts.append(first)
 
     def _drop_oldest(self) -> None:
         old = self.events.popleft()
         self._starts.popleft()
-        self._tasks_held -= len(getattr(old, "tasks", None) or ())
+        tasks = getattr(old, "tasks", None)
+        if tasks:
+            self._tasks_held -= len(tasks)
 
     def calls(self) -> list[list[Any]]:
         """The logged events grouped as they were handled, one list per ``handle()``

@@ -631,19 +631,26 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
         out = msgspec.convert(msg, typ)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"{where}malformed {op!r}: {exc}") from None
-    for name in typ.key_fields:
-        problem = key_problem(getattr(out, name))
-        if problem is not None:
-            raise ProtocolError(f"{where}malformed {op!r}: field {name!r}: {problem}")
-    for name in typ.key_list_fields:
-        value = getattr(out, name)
-        for k in value if value is not None else ():
+    plan = _PLANS.get(typ)
+    if plan is None:
+        plan = _PLANS[typ] = _plan(typ)
+    key_fields, key_list_fields, kind, segment_fields = plan
+    for name in key_fields:
+        k = getattr(out, name)
+        if type(k) is not str or not k.isascii():  # (most keys: checked here, no call)
             problem = key_problem(k)
             if problem is not None:
-                raise ProtocolError(f"{where}malformed {op!r}: a key in {name!r}: {problem}")
-    if typ is UpdateGraphMsg:
+                raise ProtocolError(f"{where}malformed {op!r}: field {name!r}: {problem}")
+    for name in key_list_fields:
+        value = getattr(out, name)
+        for k in value if value is not None else ():
+            if type(k) is not str or not k.isascii():
+                problem = key_problem(k)
+                if problem is not None:
+                    raise ProtocolError(f"{where}malformed {op!r}: a key in {name!r}: {problem}")
+    if kind == 1:
         _check_tasks(out)  # type: ignore[arg-type]
-    elif typ is RegisterWorkerMsg or typ is ComputeTaskMsg:
+    elif kind == 2:
         problem = resources_problem(out.resources)  # type: ignore[attr-defined]
         if problem is not None:
             raise ProtocolError(f"{where}malformed {op!r}: field 'resources': {problem}")
@@ -658,9 +665,20 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
             ops = out.ops  # type: ignore[attr-defined]
             if ops is not None and (len(ops) > 64 or not all(1 <= len(o) <= 64 for o in ops)):
                 raise ProtocolError(f"{where}malformed {op!r}: field 'ops': at most 64 op names of 1 to 64 characters")
-    if typ.segment_fields:
+    if segment_fields:
         _check_segments(out, where, str(op))
     return out
+
+
+#: per message struct: what decode() checks beyond its types (see _plan)
+_PLANS: dict[type[Msg], tuple[tuple[str, ...], tuple[str, ...], int, Any]] = {}
+
+
+def _plan(typ: type[Msg]) -> tuple[tuple[str, ...], tuple[str, ...], int, Any]:
+    """(key fields, key-list fields, 1 for update-graph's tasks or 2 for resources and
+    languages (register-worker, compute-task) or 0, segment fields) of ``typ``."""
+    kind = 1 if typ is UpdateGraphMsg else 2 if typ is RegisterWorkerMsg or typ is ComputeTaskMsg else 0
+    return tuple(typ.key_fields), tuple(typ.key_list_fields), kind, typ.segment_fields
 
 
 def _check_segments(msg: Msg, where: str, op: str) -> None:

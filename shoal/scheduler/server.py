@@ -103,8 +103,9 @@ def _memory_figures(memory: dict[str, int]) -> dict[str, int]:
 
 logger = logging.getLogger("shoal.scheduler")
 
-#: a worker's messages note it alive at most this often (seconds)
-_SEEN_EVERY = 0.05
+#: a worker's messages note it alive at most this often (seconds), and at most a
+#: twentieth of ``worker-ttl``
+_SEEN_EVERY = 0.5
 #: after a graph of this many tasks (a part of a big one) the loop turns before the next
 _YIELD_AFTER_TASKS = 1_000
 
@@ -166,6 +167,8 @@ class Scheduler:
         self._ids = itertools.count()
         #: when each worker was last noted alive (see _seen)
         self._seen_at: dict[str, float] = {}
+        ttl = self.state.worker_ttl
+        self._seen_every = min(_SEEN_EVERY, ttl / 20) if ttl > 0 else _SEEN_EVERY
         self._workers_changed: asyncio.Event | None = None
         self._housekeeping: asyncio.Future[None] | None = None
         self._liveness: asyncio.Future[None] | None = None
@@ -371,10 +374,11 @@ class Scheduler:
 
     def _seen(self, address: str, batch: list[Any]) -> list[Any]:
         """Note that worker ``address`` is alive (whatever it sends shows it, not only
-        its heartbeats), at most every ``_SEEN_EVERY`` seconds (a busy worker sends
-        thousands of batches a second; liveness counts in seconds); returns ``batch``."""
+        its heartbeats), at most every ``_SEEN_EVERY`` seconds or a twentieth of the
+        ttl (a busy worker sends thousands of batches a second; liveness counts in
+        seconds); returns ``batch``."""
         now = time.monotonic()
-        if now - self._seen_at.get(address, -math.inf) >= _SEEN_EVERY:
+        if now - self._seen_at.get(address, -math.inf) >= self._seen_every:
             self._seen_at[address] = now
             self._apply(HeartbeatEvent(self._stimulus("seen"), address, now))
             self.diagnostics.seen(address)

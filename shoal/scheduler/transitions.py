@@ -60,15 +60,29 @@ class TaskTransitions:
         one that no longer fits the task's state is dropped.
         """
         pending = deque(recs.items())
+        routes = _TRANSITIONS
         while pending:
             ts, finish = pending.popleft()
-            if ts.state in ("forgotten", finish):
+            start = ts.state
+            if start == finish or start == "forgotten":
                 continue
-            if finish == "processing" and (ts.state != "waiting" or ts.waiting_on):
-                continue  # moved on since: erred, released, or waiting on a lost input
-            if finish == "waiting" and ts.state != "released":
-                continue  # already on its way, or erred
-            pending.extend(self._transition(ts, finish).items())
+            if finish == "processing":
+                if start != "waiting" or ts.waiting_on:
+                    continue  # moved on since: erred, released, or waiting on a lost input
+            elif finish == "waiting":
+                if start != "released":
+                    continue  # already on its way, or erred
+            elif finish == "forgotten" and start != "released":
+                if ts.who_wants or ts.waiters:
+                    continue  # a client or a dependent has come back since
+                more = self._transition(ts, finish)  # (through released)
+                if more:
+                    pending.extend(more.items())
+                continue
+            func = routes.get((start, finish))
+            more = func(self, ts) if func is not None else self._transition(ts, finish)
+            if more:
+                pending.extend(more.items())
 
     def _set_state(self, ts: TaskState, finish: TState) -> None:
         """The one place a task's state changes: the pair must be an edge of

@@ -147,9 +147,10 @@ class WorkerState(Fetching):
         self.slots = nthreads + queued
         self.data: MutableMapping[Key, Any] = {} if data is None else data
         self.tasks: dict[Key, WTask] = {}
-        #: ready tasks that need no resources, and those that do: heaps by priority
-        self.ready: list[WTask] = []
-        self.constrained: list[WTask] = []
+        #: ready tasks that need no resources, and those that do: heaps of
+        #: ``(priority, seq, task)`` (compared in C: ``seq`` is unique)
+        self.ready: list[tuple[tuple[int, ...], int, WTask]] = []
+        self.constrained: list[tuple[tuple[int, ...], int, WTask]] = []
         #: tasks that hold a slot (running, or waiting in the thread pool)
         self.executing: set[WTask] = set()
         #: tasks whose thread runs without a slot (``secede()``), and those of them
@@ -485,7 +486,7 @@ class WorkerState(Fetching):
 
     def _make_ready(self, ts: WTask) -> None:
         self._set_state(ts, "ready")
-        heapq.heappush(self.constrained if ts.resources else self.ready, ts)
+        heapq.heappush(self.constrained if ts.resources else self.ready, (ts.priority, ts.seq, ts))
 
     def _needed(self, ts: WTask) -> bool:
         """Whether a local task still waits for ``ts``'s value, or is about to run with it."""
@@ -619,15 +620,17 @@ class WorkerState(Fetching):
         ready = self.ready
         worst = None
         while ready:
-            while ready and not self._live(ready[0], False):
+            while ready and not self._live(ready[0][2], False):
                 heapq.heappop(ready)
             if not ready:
                 return
             if worst is None:
-                worst = max(self.executing)  # stays the worst: only more urgent ones join
-            if not ready[0] < worst:
+                # stays the worst: only more urgent ones join
+                worst = max([(t.priority, t.seq) for t in self.executing])
+            head = ready[0]
+            if not (head[0], head[1]) < worst:
                 return
-            ts = heapq.heappop(ready)
+            ts = heapq.heappop(ready)[2]
             self._set_state(ts, "executing")
             self.executing.add(ts)
             self._out.append(Execute(self._stimulus, ts.key))
@@ -638,13 +641,13 @@ class WorkerState(Fetching):
         resources start in their order: one that waits for them holds back the others
         that need some (so a large request is not starved by small ones)."""
         ready, constrained = self.ready, self.constrained
-        while ready and not self._live(ready[0], False):
+        while ready and not self._live(ready[0][2], False):
             heapq.heappop(ready)  # released (or computed again) while it waited
-        while constrained and not self._live(constrained[0], True):
+        while constrained and not self._live(constrained[0][2], True):
             heapq.heappop(constrained)
-        if constrained and self.fits(constrained[0]) and (not ready or constrained[0] < ready[0]):
-            return heapq.heappop(constrained)
-        return heapq.heappop(ready) if ready else None
+        if constrained and self.fits(constrained[0][2]) and (not ready or constrained[0] < ready[0]):
+            return heapq.heappop(constrained)[2]
+        return heapq.heappop(ready)[2] if ready else None
 
     def _live(self, ts: WTask, constrained: bool) -> bool:
         """Whether a heap entry still stands for a ready task (of that heap)."""

@@ -30,7 +30,7 @@ def validate_state(state: WorkerState) -> None:
         if ts.state in ("waiting", "ready", "executing"):
             assert ts.origin == "compute", ts
         if ts.state == "ready":
-            assert ts in (state.constrained if ts.resources else state.ready), ts
+            assert any(e[2] is ts for e in (state.constrained if ts.resources else state.ready)), ts
             assert all(d.state == "memory" for d in ts.dependencies), ts
         if ts.state in ("fetch", "flight"):
             assert ts.origin == "fetched" and not ts.dependencies, ts
@@ -81,7 +81,7 @@ def _validate_threads(state: WorkerState) -> None:
     if state.slots == state.nthreads:
         assert len(state.executing) <= state.slots
     elif len(state.executing) > slots and not state.tight:  # (tight: those handed ahead before)
-        live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts]
+        live = [ts for _, _, ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts]
         assert not live or not min(live) < max(state.executing), "a ready task should overtake"
     assert not state.executing & state.seceded
     for ts in state.executing | state.seceded:
@@ -95,10 +95,10 @@ def _validate_threads(state: WorkerState) -> None:
         return
     if state.paused:
         return  # nothing starts while paused
-    live = [ts for ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
+    live = [ts for _, _, ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
     if live:
         assert len(state.executing) >= slots, "a thread is idle while tasks are ready"
-    first = min((ts for ts in state.constrained if ts.state == "ready" and state.tasks.get(ts.key) is ts),
+    first = min((ts for _, _, ts in state.constrained if ts.state == "ready" and state.tasks.get(ts.key) is ts),
                 default=None)
     if first is not None and state.fits(first):
         assert len(state.executing) >= slots, f"{first} could run now"
