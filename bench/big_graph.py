@@ -5,10 +5,11 @@
     python bench/big_graph.py shoal 333333 --start   # until the first task is done
     python bench/big_graph.py shoal 100000 --processes   # workers in processes of their own
 
-Both on 4 in-process workers of 1 thread (with ``--processes``, 4 worker processes). For shoal it prints the client's conversion
-of the graph alone first (``graph_to_tasks``), then how long ``client.compute`` took to
-return, the first task to finish (read from the scheduler's counts by a thread) and
-the result to arrive; with ``--start``, it stops at the first task.
+Both on 4 in-process workers of 1 thread (with ``--processes``, 4 worker processes).
+For shoal it prints the client's conversion of the graph alone first
+(``graph_to_tasks``), then how long ``client.compute`` took to return, the first task
+to finish (read from the scheduler's counts by a thread) and the result to arrive;
+with ``--start``, it stops at the first task.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def main(system: str, n: int, start_only: bool = False, processes: bool = False)
         t0 = began[0]
         future = client.compute(y)
         t1 = time.perf_counter()
-        poll.join()
+        poll.join(timeout=3600)
+        done = f"{first[0]:.2f}s" if first else "(not within an hour)"
         print(f"{system}: {n:,} chunks: compute() returned after {t1 - t0:.2f}s, the first task was done after "
-              f"{first[0]:.2f}s", flush=True)
+              f"{done}", flush=True)
         if start_only:
             future.cancel()
             return

@@ -11,8 +11,9 @@ from .events import NewTask
 from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
-__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "Few", "FEW", "plus", "minus", "PrefixGroup", "TaskQueue",
-           "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "find_cycle", "topological"]
+__all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "Few", "FEW", "plus", "minus",
+           "PrefixGroup", "TaskQueue", "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "find_cycle",
+           "topological"]
 
 
 #: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
@@ -186,15 +187,9 @@ class TaskState:
     def add_dependent(self, ts: TaskState) -> None:
         self.dependents = plus(self.dependents, ts)
 
-    def drop_dependent(self, ts: TaskState) -> None:
-        self.dependents = minus(self.dependents, ts)
-
     def add_waiter(self, ts: TaskState) -> None:
         """The dependent ``ts`` has yet to run and needs this value."""
         self.waiters = plus(self.waiters, ts)
-
-    def drop_waiter(self, ts: TaskState) -> None:
-        self.waiters = minus(self.waiters, ts)
 
     def wait_on(self, dep: TaskState) -> None:
         """This task waits for its input ``dep`` to be in memory."""

@@ -95,7 +95,8 @@ def _validate_threads(state: WorkerState) -> None:
         return
     if state.paused:
         return  # nothing starts while paused
-    live = [ts for _, _, ts in state.ready if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
+    live = [ts for _, _, ts in state.ready
+            if ts.state == "ready" and state.tasks.get(ts.key) is ts and not ts.resources]
     if live:
         assert len(state.executing) >= slots, "a thread is idle while tasks are ready"
     first = min((ts for _, _, ts in state.constrained if ts.state == "ready" and state.tasks.get(ts.key) is ts),
