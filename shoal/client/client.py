@@ -27,12 +27,11 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
-from ..errors import CommError, LostDataError, ProtocolError, SerializationError, short_repr
+from ..errors import CommError, LostDataError, ProtocolError
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
-from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, to_serialize
-from ..protocol.core import prepare
+from ..protocol import SAME_HOST, SAME_PROCESS, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
-from ..taskspec import RunSpec, raise_serialization_error, tokenize, unique_token, validate_key
+from ..taskspec import RunSpec, tokenize, unique_token, validate_key
 from .cluster_ops import ClusterOps
 from .diagnostics import TaskStreamMethods
 from .collections import DaskCollections
@@ -472,49 +471,6 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
             st.cancel()
         elif op == "lost-key":
             st.lost()
-
-    # -- submitting
-
-    def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
-        if self.status == "disconnected":
-            raise RuntimeError(f"the client lost its connection to the scheduler at {self.scheduler_address}")
-        if self.status != "running":
-            raise RuntimeError(f"the client is {self.status}")
-        if self._hand_over:
-            for t in tasks:
-                spec = t.get("payload")
-                spec = spec.data if isinstance(spec, Serialize) else spec
-                if isinstance(spec, RunSpec):
-                    spec.handoff = True
-        parts, held = graphs.split_graph(tasks, wanted)
-        for part, part_wanted in parts:
-            self._enqueue({"op": "update-graph", "tasks": part, "wanted": part_wanted})
-        if held:
-            # the parts are sent: the dependents of these keys are known to the
-            # scheduler now, so it keeps their values as long as they are needed
-            with self._lock:
-                held = [k for k in held if self._refcount.get(k, 0) == 0]
-            self._enqueue({"op": "release-keys", "keys": held}, lazy=True)
-
-    def _unsendable(self, msg: Any, error: SerializationError) -> Any:
-        """An ``update-graph`` that cannot be serialized for the scheduler: a task's
-        arguments hold a value that does not pickle. Each such task is sent with a
-        payload that raises the error instead (so it, and what depends on it, err as
-        any failing task does, and the connection and the other tasks carry on)."""
-        if not (isinstance(msg, dict) and msg.get("op") == "update-graph" and self._comm is not None):
-            logger.error("dropped a message to the scheduler that cannot be serialized: %s", error)
-            return None
-        destination = self._comm.destination
-        tasks = []
-        for task in msg.get("tasks") or ():
-            try:
-                prepare({"payload": task.get("payload")}).frames(destination, leases=False)
-            except SerializationError as exc:
-                text = f"the arguments of task {short_repr(task.get('key'))} cannot be sent to the scheduler: {exc}"
-                logger.warning("%s", text)
-                task = {**task, "deps": [], "payload": to_serialize(RunSpec(raise_serialization_error, (text,), {}))}
-            tasks.append(task)
-        return {**msg, "tasks": tasks}
 
     # -- results
 

@@ -1,4 +1,5 @@
-"""``submit`` and ``map`` for the client (a mixin of :class:`~shoal.Client`).
+"""``submit`` and ``map`` for the client (a mixin of :class:`~shoal.Client`), and
+the ``update-graph`` messages every submission ends in (a big graph's in parts).
 
 The keywords dask.distributed reserves are taken here and never reach the user's
 function: ``key``, ``workers``, ``allow_other_workers``, ``resources``, ``retries``,
@@ -9,14 +10,19 @@ process) are checked at submit, so an unpicklable one fails there, naming itself
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import config
-from ..protocol import sizeof, to_serialize
+from ..errors import SerializationError, short_repr
+from ..protocol import Serialize, sizeof, to_serialize
+from ..protocol.core import prepare
 from ..foreign_tasks import ForeignCall, ForeignFunction
-from ..taskspec import RunSpec, check_serializable, key_name, tokenize, unique_token, validate_key
+from ..taskspec import (RunSpec, check_serializable, key_name, raise_serialization_error, tokenize, unique_token,
+                        validate_key)
+from . import graphs
 from .future import Future
 from .options import TaskOptions, call_options, context_annotations
 from .structure import replace_futures
@@ -25,6 +31,8 @@ if TYPE_CHECKING:
     from .client import Client
 
 __all__ = ["Submitting"]
+
+logger = logging.getLogger("shoal.client")
 
 _warned_large: set[str] = set()
 
@@ -168,3 +176,50 @@ class Submitting:
         future = Future(key, self._self)
         self._self._submit_tasks([task], [key])
         return future
+
+    # -- what every submission ends in
+
+    def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
+        """Send ``tasks`` to the scheduler (one ``update-graph``, or a big graph's
+        parts), ``wanted`` being the keys this client holds futures for."""
+        c = self._self
+        if c.status == "disconnected":
+            raise RuntimeError(f"the client lost its connection to the scheduler at {c.scheduler_address}")
+        if c.status != "running":
+            raise RuntimeError(f"the client is {c.status}")
+        if c._hand_over:
+            for t in tasks:
+                spec = t.get("payload")
+                spec = spec.data if isinstance(spec, Serialize) else spec
+                if isinstance(spec, RunSpec):
+                    spec.handoff = True
+        parts, held = graphs.split_graph(tasks, wanted)
+        for part, part_wanted in parts:
+            c._enqueue({"op": "update-graph", "tasks": part, "wanted": part_wanted})
+        if held:
+            # the parts are sent: the dependents of these keys are known to the
+            # scheduler now, so it keeps their values as long as they are needed
+            with c._lock:
+                held = [k for k in held if c._refcount.get(k, 0) == 0]
+            c._enqueue({"op": "release-keys", "keys": held}, lazy=True)
+
+    def _unsendable(self, msg: Any, error: SerializationError) -> Any:
+        """An ``update-graph`` that cannot be serialized for the scheduler: a task's
+        arguments hold a value that does not pickle. Each such task is sent with a
+        payload that raises the error instead (so it, and what depends on it, err as
+        any failing task does, and the connection and the other tasks carry on)."""
+        comm = self._self._comm
+        if not (isinstance(msg, dict) and msg.get("op") == "update-graph" and comm is not None):
+            logger.error("dropped a message to the scheduler that cannot be serialized: %s", error)
+            return None
+        destination = comm.destination
+        tasks = []
+        for task in msg.get("tasks") or ():
+            try:
+                prepare({"payload": task.get("payload")}).frames(destination, leases=False)
+            except SerializationError as exc:
+                text = f"the arguments of task {short_repr(task.get('key'))} cannot be sent to the scheduler: {exc}"
+                logger.warning("%s", text)
+                task = {**task, "deps": [], "payload": to_serialize(RunSpec(raise_serialization_error, (text,), {}))}
+            tasks.append(task)
+        return {**msg, "tasks": tasks}
