@@ -402,14 +402,16 @@ class LocalCluster:
         gone = [addresses[n] for n in names if addresses.get(n)]
         handles = {name: self.workers.pop(name) for name in names}
         self._retiring.update(handles)  # closed by close() should that come first
+        # shielded: a caller cancelled meanwhile (adapt stopped) must not cut a close
+        # short, or close() would wait for it for ever; the handles stay in _retiring
         if self.processes:
             # each worker closes as for a Ctrl-C (it tells the scheduler first), and its
             # nanny with it
-            await asyncio.gather(*(h.nanny.close(5.0) for h in handles.values()))
+            await asyncio.shield(asyncio.gather(*(h.nanny.close(5.0) for h in handles.values())))
             for name in handles:
                 self._nannies.pop(name, None)
         else:
-            await asyncio.gather(*(w.close() for w in handles.values()))
+            await asyncio.shield(asyncio.gather(*(w.close() for w in handles.values())))
             for w in handles.values():
                 self._logs.remove_worker(w)
         for name in handles:

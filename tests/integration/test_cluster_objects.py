@@ -5,6 +5,7 @@ process, worker processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -169,6 +170,27 @@ def test_adapt_keeps_workers_that_hold_the_only_copy_of_a_value() -> None:
             wait_for(lambda: not cluster.workers, timeout=10, what="worker-1 to be retired")
         finally:
             adaptive.stop()
+
+
+def test_a_retirement_cut_short_still_lets_the_cluster_close() -> None:
+    """Stopping adapt cancels a retirement under way: the worker's close goes on to
+    its end, and the cluster's close (which waits for it) returns."""
+    cluster = LocalCluster(n_workers=2, processes=False)
+    try:
+        async def retire_then_cancel() -> None:
+            worker = cluster.workers["worker-0"]
+            retiring = asyncio.ensure_future(cluster._retire(["worker-0"]))
+            while worker.status != "closing":
+                await asyncio.sleep(0)  # until the worker's close has begun
+            retiring.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await retiring
+
+        cluster._loop_thread.run(retire_then_cancel(), timeout=30)
+        assert list(cluster.workers) == ["worker-1"]
+    finally:
+        cluster.close(timeout=20)
+    assert cluster.status == "closed"
 
 
 def test_a_second_adapt_replaces_the_first() -> None:
