@@ -300,7 +300,9 @@ class DeployedCluster(abc.ABC):
         launched = self.workers.pop(name, None)
         if launched is not None:
             self._ended[name] = launched
-            await launched.stop(10.0)
+            # shielded: a caller cancelled meanwhile (adapt stopped) must not cut the
+            # stop short; close() stops only the groups still in self.workers
+            await asyncio.shield(launched.stop(10.0))
 
     async def _until_gone(self, addresses: list[str]) -> None:
         """Return once the scheduler lists none of the workers ``addresses`` (they told
