@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,19 +41,29 @@ def run_child(workload: registry.Workload, system: str, params: dict[str, Any], 
     """One measurement in a fresh interpreter; returns the child's result dict."""
     cmd = [sys.executable, CHILD, workload.name, system, json.dumps(params)]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
-    except subprocess.TimeoutExpired as exc:
-        return {"error": f"timed out after {timeout:.0f}s", "stderr": _text(exc.stderr)[-4000:]}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_ROOT) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException as exc:
+            # SIGINT first: the child's context managers (clusters, test hosts) clean up
+            proc.send_signal(signal.SIGINT)
+            try:
+                _, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, stderr = proc.communicate()
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            return {"error": f"timed out after {timeout:.0f}s", "stderr": _text(stderr)[-4000:]}
     result: dict[str, Any] | None = None
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith(MARKER):
             result = json.loads(line[len(MARKER):])
     if result is None:
         result = {"error": f"child exited with status {proc.returncode} without a result"}
     if "error" in result or proc.returncode != 0:
         result.setdefault("error", f"child exited with status {proc.returncode}")
-        result["stderr"] = proc.stderr[-4000:]
+        result["stderr"] = stderr[-4000:]
     result["process_s"] = time.perf_counter() - t0
     return result
 

@@ -19,7 +19,9 @@ hosts:
 
 Faults are made with nftables in a host's namespace (:meth:`Host.partition`,
 :meth:`Host.lose`): a partition drops every packet to and from the host's link, loss
-drops a random share of them. Leaving the block (and on any failure while building)
+drops a random share of them. Latency (:meth:`Host.delay`) is an iptables rule that
+queues the packets coming in on the link (NFQUEUE) for a listener that lets each go a
+fixed time later (:mod:`shoal.netdelay`), since not every kernel has netem. Leaving the block (and on any failure while building)
 kills the processes started through the hosts, deletes the namespaces and unmounts
 the tmpfs mounts.
 """
@@ -31,6 +33,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ __all__ = ["Host", "TestHosts", "available"]
 
 _RUN = itertools.count()
 _NFT_TABLE = "shoal_faults"
+_DELAY_QUEUE = "1"  # the NFQUEUE number of a host's delay (queues are per namespace)
 
 
 def _ip(*args: str) -> None:
@@ -72,6 +76,8 @@ class Host:
         self.link = link
         self.shm_dir = shm_dir
         self._faults: dict[str, str] = {}
+        self._delay: subprocess.Popen[str] | None = None
+        self.packets_delayed = 0  # by the delays healed so far
 
     def __repr__(self) -> str:
         return f"<Host {self.name} {self.ip}>"
@@ -115,10 +121,50 @@ class Host:
         self._set_fault("loss", f'iifname "{self.link}" numgen random mod 100 < {share} drop\n'
                                 f'    oifname "{self.link}" numgen random mod 100 < {share} drop')
 
+    def delay(self, ms: float) -> None:
+        """Hold every packet that comes in on this host's link for ``ms`` milliseconds,
+        until :meth:`heal`: ``ms`` more for every round trip to this host. Needs
+        iptables-legacy (Debian's iptables).
+
+        The packets wait on their way in, not out: a packet held on its way out is
+        still charged to its sending socket, and TCP's small-queue limit would then
+        hold the sender to a few packets per delay (netem, which this stands in for,
+        lets go of that charge; a netfilter queue cannot)."""
+        if not 0 < ms <= 10_000:
+            raise ValueError(f"a delay is more than 0 and at most 10,000 ms, not {ms!r}")
+        if shutil.which("iptables-legacy") is None:
+            raise OSError("latency between test hosts needs iptables-legacy (Debian's iptables)")
+        self._stop_delay()
+        listener = self.popen([sys.executable, "-m", "shoal.netdelay", _DELAY_QUEUE, str(ms)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert listener.stdout is not None and listener.stderr is not None
+        if listener.stdout.readline().strip() != "bound":
+            listener.wait(30)
+            raise OSError(f"the delay listener on {self.name} did not start: {listener.stderr.read().strip()}")
+        self._delay = listener
+        self._iptables("-A")
+
     def heal(self) -> None:
-        """Remove this host's faults."""
+        """Remove this host's faults and its delay."""
+        self._stop_delay()
         self._faults.clear()
         self._apply_faults()
+
+    def _iptables(self, op: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["ip", "netns", "exec", self.netns, "iptables-legacy", op, "INPUT", "-i", self.link,
+                               "-j", "NFQUEUE", "--queue-num", _DELAY_QUEUE, "--queue-bypass"],
+                              capture_output=True, text=True, timeout=30, check=op == "-A")
+
+    def _stop_delay(self) -> None:
+        listener, self._delay = self._delay, None
+        if listener is None:
+            return
+        self._iptables("-D")  # new packets pass; the listener lets go of those it holds
+        listener.terminate()
+        out, _ = listener.communicate(timeout=30)
+        for line in out.splitlines():
+            if line.startswith("held "):
+                self.packets_delayed += int(line.split()[1])
 
     def _set_fault(self, kind: str, rules: str) -> None:
         self._faults[kind] = rules

@@ -10,6 +10,10 @@ several machines. Values between hosts go over tcp through a veth pair and a bri
 - ``hosts_tiny_tasks``: 10,000 ``inc(i)`` on 2 workers x 1 thread on each worker host.
 - ``hosts_tree_reduce``: the binary-tree sum of ``tree_reduce`` (4,096 leaves) on the same.
 
+Each takes ``delay_ms`` and ``loss`` (default 0): every packet that comes in to a worker
+host waits ``delay_ms`` (:meth:`shoal.testhosts.Host.delay`), and ``loss`` % of the
+packets to and from it are dropped, e.g. ``--set delay_ms=20 --set loss=1``.
+
 dask.distributed: ``dask scheduler --no-dashboard`` and ``dask worker --nworkers N
 --nthreads 1 --memory-limit 0 --no-dashboard``, its default configuration (root-task
 queuing on). shoal: ``shoal scheduler --no-dashboard`` and ``shoal worker --nworkers N
@@ -42,7 +46,7 @@ hosts_transfer = Workload(
     "(tcp between network namespaces): consumer-step bandwidth (median of `rounds`), "
     "producer-step time, and a plain socket's bandwidth between the same two hosts",
     metrics={"bandwidth": "GB/s", "vs_socket": "x", "socket": "GB/s", "producer": "ms"},
-    params={"mb": 64, "rounds": 5},
+    params={"mb": 64, "rounds": 5, "delay_ms": 0, "loss": 0},
     quick={"mb": 8, "rounds": 2},
     timeout=600,
 )
@@ -51,7 +55,7 @@ hosts_tiny_tasks = Workload(
     "10,000 inc(i) (map, then gather) on 2 workers x 1 thread on each of two test hosts; "
     "client and scheduler on a third",
     metrics={"throughput": "tasks/s"},
-    params={"n": 10_000},
+    params={"n": 10_000, "delay_ms": 0, "loss": 0},
     quick={"n": 200},
     timeout=600,
 )
@@ -60,7 +64,7 @@ hosts_tree_reduce = Workload(
     "Binary-tree sum of `leaves` inc(i) leaves (8,191 tasks at 4,096) on 2 workers x 1 "
     "thread on each of two test hosts; client and scheduler on a third",
     metrics={"throughput": "tasks/s"},
-    params={"leaves": 4096},
+    params={"leaves": 4096, "delay_ms": 0, "loss": 0},
     quick={"leaves": 64},
     timeout=600,
 )
@@ -199,7 +203,8 @@ def _plain_socket(hosts: Any, nbytes: int, rounds: int) -> float:
 # ------------------------------------------------------------------ the clusters
 
 
-def _on_hosts(system: str, kind: str, per_host: int, **params: Any) -> dict[str, Any]:
+def _on_hosts(system: str, kind: str, per_host: int, delay_ms: float = 0, loss: float = 0,
+              **params: Any) -> dict[str, Any]:
     from shoal.testhosts import TestHosts, available
 
     why = available()
@@ -232,6 +237,10 @@ def _on_hosts(system: str, kind: str, per_host: int, **params: Any) -> dict[str,
                           "--nthreads", "1", "--memory-limit", "0", "--no-dashboard"]
             for h in hosts[1:]:
                 h.popen([*worker, "--host", h.ip], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                if delay_ms:
+                    h.delay(delay_ms)
+                if loss:
+                    h.lose(loss)
             args = {"system": system, "address": address, "kind": kind, "n_workers": 2 * per_host,
                     "ips": [h.ip for h in hosts], **params}
             done = h0.run([sys.executable, "-c", "from bench.workloads.hosts import client_main; client_main()",
@@ -247,16 +256,16 @@ def _on_hosts(system: str, kind: str, per_host: int, **params: Any) -> dict[str,
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _transfer(system: str, mb: int, rounds: int) -> dict[str, Any]:
-    return _on_hosts(system, "transfer", 1, mb=mb, rounds=rounds)
+def _transfer(system: str, mb: int, rounds: int, delay_ms: float, loss: float) -> dict[str, Any]:
+    return _on_hosts(system, "transfer", 1, delay_ms, loss, mb=mb, rounds=rounds)
 
 
-def _tiny(system: str, n: int) -> dict[str, Any]:
-    return _on_hosts(system, "tiny", 2, n=n)
+def _tiny(system: str, n: int, delay_ms: float, loss: float) -> dict[str, Any]:
+    return _on_hosts(system, "tiny", 2, delay_ms, loss, n=n)
 
 
-def _tree(system: str, leaves: int) -> dict[str, Any]:
-    return _on_hosts(system, "tree", 2, leaves=leaves)
+def _tree(system: str, leaves: int, delay_ms: float, loss: float) -> dict[str, Any]:
+    return _on_hosts(system, "tree", 2, delay_ms, loss, leaves=leaves)
 
 
 _register(hosts_transfer, SYSTEMS, _transfer)

@@ -1,12 +1,13 @@
-"""Faults between test hosts, made by nftables rules in host 2's namespace: packets
-lost at random, and partitions (every packet dropped) for less, then for longer, than
-the liveness timeout (``worker-ttl``). (This machine's kernel has no netem: latency is
-not among them.)
+"""Faults between test hosts, made in host 2's namespace: packets lost at random
+(nftables), 20 ms of latency with 1% loss (an NFQUEUE listener holds every packet that
+comes in to host 2, :mod:`shoal.netdelay`, since this machine's kernel has no netem), and
+partitions (every packet dropped) for less, then for longer, than the liveness timeout
+(``worker-ttl``).
 
 The cluster is the one of test_three_hosts.py (scheduler and client on host 0, two
 workers on each of hosts 1 and 2) with a short timeout: 4 s, heartbeats every 0.25 s.
-The tests run in file order: loss and the short partition first, on the cluster as it
-started."""
+The tests run in file order: loss, latency and the short partition first, on the
+cluster as it started."""
 
 from __future__ import annotations
 
@@ -43,9 +44,15 @@ def session(cluster: dict[str, Any]) -> Iterator[ClientSession]:
     s.close()
 
 
-def test_with_packets_lost_between_hosts_results_are_right(cluster: dict[str, Any],
-                                                           session: ClientSession) -> None:
-    cluster["hosts"][2].lose(3)
+@pytest.mark.parametrize("fault", ["loss", "latency"])
+def test_with_packets_lost_or_late_between_hosts_results_are_right(cluster: dict[str, Any],
+                                                                  session: ClientSession, fault: str) -> None:
+    host2 = cluster["hosts"][2]
+    if fault == "loss":
+        host2.lose(3)
+    else:  # every packet that comes in to host 2 waits 20 ms, and 1% are lost
+        host2.delay(20)
+        host2.lose(1)
     out = session.step("""
 import numpy as np
 from operator import add
@@ -58,7 +65,10 @@ while len(xs) > 1:
     xs = [c.submit(add, a, b) for a, b in zip(xs[::2], xs[1::2])] + ([xs[-1]] if len(xs) % 2 else [])
 out = {"read": read.result(timeout=120), "tree": xs[0].result(timeout=120),
        "workers": sorted(c.scheduler_info()["workers"])}
-""")
+""".replace("lossy-", f"{fault}-"))
+    held = host2.packets_delayed
+    host2.heal()
+    assert (host2.packets_delayed > held) == (fault == "latency")
     assert out["read"] == 3.0 * (2 << 20)
     assert out["tree"] == sum(i * i for i in range(40))
     assert out["workers"] == sorted(sum(cluster["workers"].values(), []))
