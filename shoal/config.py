@@ -63,6 +63,10 @@ _DEFAULTS: dict[str, Any] = {
     # it has it, or after this many seconds without it (the asker then fetches it from
     # another holder)
     "host-fetch-wait": 30.0,
+    # a worker asked by a peer of its host for a value it has not heard of waits this
+    # many seconds for the task that makes it the host's fetcher (the scheduler's
+    # message to it may come after the asker's request), then answers without it
+    "host-fetch-grace": 2.0,
     # after this many failed fetches from one peer in a row, a worker's tasks that need
     # a value only that peer holds err with the fetch's error instead of being handed
     # back to the scheduler (which would send them to this worker again)

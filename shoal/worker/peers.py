@@ -44,7 +44,7 @@ class PeerData:
     monitor: MemoryMonitor | None
     use_shm: bool
     status: str
-    _awaited: list[tuple[set[Any], asyncio.Future[None]]]
+    _awaited: list[WaitingRequest]
 
     def handle_stimulus(self, *events: Any) -> bool:
         raise NotImplementedError  # the Worker's
@@ -162,20 +162,32 @@ class PeerData:
 
     def get_data(self, comm: Comm, keys: list[Any]) -> Any:
         assert self.state is not None
-        tasks = self.state.tasks
-        coming = {k for k in keys if k not in self.store and (t := tasks.get(k)) is not None and t.state in _COMING}
-        if coming:
-            return self._get_data_once_fetched(comm, keys, coming)
+        tasks, store = self.state.tasks, self.store
+        coming = {k for k in keys if k not in store and (t := tasks.get(k)) is not None and t.state in _COMING}
+        # a peer of this host asks for what this worker has not heard of: the scheduler
+        # named it the host's fetcher, and its own task may still be on the way
+        unheard = set() if comm.destination == REMOTE else {k for k in keys if k not in store and k not in tasks}
+        if coming or unheard:
+            return self._get_data_once_fetched(comm, keys, coming | unheard, unheard)
         return self._serve(comm, keys)
 
-    async def _get_data_once_fetched(self, comm: Comm, keys: list[Any], coming: set[Any]) -> dict[str, Any]:
+    async def _get_data_once_fetched(self, comm: Comm, keys: list[Any], waited: set[Any],
+                                     unheard: set[Any]) -> dict[str, Any]:
         """``get-data`` for keys this worker is fetching itself (the scheduler named it
         to the other workers of its host as the one fetching them): the answer waits
-        until those fetches have ended, or ``host-fetch-wait`` seconds."""
-        entry = (coming, asyncio.get_running_loop().create_future())
+        until those fetches have ended, or ``host-fetch-wait`` seconds. Keys it has not
+        heard of are waited for ``host-fetch-grace`` seconds: if one is still unheard of
+        then, it answers with what it has."""
+        entry = WaitingRequest(waited, unheard, asyncio.get_running_loop().create_future())
         self._awaited.append(entry)
         try:
-            await asyncio.wait([entry[1]], timeout=config.get("host-fetch-wait"))
+            wait = config.get("host-fetch-wait")
+            if unheard:
+                grace = min(wait, config.get("host-fetch-grace"))
+                await asyncio.wait([entry.done], timeout=grace)
+                wait = 0 if entry.unheard else wait - grace
+            if wait > 0:
+                await asyncio.wait([entry.done], timeout=wait)
         finally:
             self._awaited.remove(entry)
         return self._serve(comm, keys)
@@ -191,10 +203,27 @@ class PeerData:
         return dict(self.traffic.moved)
 
     def _wake_awaited(self) -> None:
-        """Answer the get-data requests whose keys are no longer being fetched here."""
+        """Answer the get-data requests whose keys are no longer being fetched here (or
+        awaited: a key not yet heard of is awaited until it is)."""
         assert self.state is not None
-        tasks = self.state.tasks
-        for keys, done in self._awaited:
-            if not done.done() and not any((t := tasks.get(k)) is not None and t.state in _COMING for k in keys):
-                done.set_result(None)
+        tasks, store = self.state.tasks, self.store
+        for entry in self._awaited:
+            if entry.done.done():
+                continue
+            if entry.unheard:
+                entry.unheard -= {k for k in entry.unheard if k in tasks or k in store}
+                if entry.unheard:
+                    continue
+            if not any((t := tasks.get(k)) is not None and t.state in _COMING for k in entry.keys):
+                entry.done.set_result(None)
 
+
+class WaitingRequest:
+    """A get-data request waiting for ``keys``; ``unheard``: those not yet heard of."""
+
+    __slots__ = ("keys", "unheard", "done")
+
+    def __init__(self, keys: set[Any], unheard: set[Any], done: asyncio.Future[None]):
+        self.keys = keys
+        self.unheard = unheard
+        self.done = done

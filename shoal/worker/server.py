@@ -56,7 +56,7 @@ from .diagnostics import CpuMeter, Traffic
 from .monitor import MemoryMonitor, memory_report
 from .store import WorkerStore
 from .outcomes import failure_event, inline_value
-from .peers import PeerData
+from .peers import PeerData, WaitingRequest
 from .threads import TaskThreads
 from .state import (
     AttachShm,
@@ -160,7 +160,7 @@ class Worker(PeerData):
         #: bytes moved by path, and the inputs moved here for the task stream
         self.traffic = Traffic()
         #: get-data requests waiting for keys this worker is fetching: (keys, done)
-        self._awaited: list[tuple[set[Any], asyncio.Future[None]]] = []
+        self._awaited: list[WaitingRequest] = []
         self._cpu = CpuMeter()
         #: the state machine failed (a bug): it gets no more events, the worker closes
         self.broken = False

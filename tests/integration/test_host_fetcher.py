@@ -112,3 +112,32 @@ def test_without_the_value_in_time_it_answers_with_what_it_has(held: dict[str, A
         answered.set()
         held["go"].set()
         assert y.result(timeout=30) == 4950
+
+
+def test_a_worker_asked_before_it_hears_of_the_value_waits_for_its_task(held: dict[str, Any]) -> None:
+    # the scheduler's compute-task to the fetcher can come after its peer's request
+    with shoal.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            shoal.Client(cluster) as c:
+        holder, fetcher = cluster.workers.values()
+        held["address"] = holder.address
+        [x] = c.scatter([list(range(100))], workers=[holder.address])
+        answer: dict[str, Any] = {}
+        asking = threading.Thread(target=lambda: answer.update(ask(fetcher.address, x.key)))
+        asking.start()
+        wait_for(lambda: fetcher._awaited, 10, "the request to wait")
+        y = c.submit(total, x, workers=[fetcher.address])
+        wait_for(lambda: _fetching(fetcher, x.key), 10, "the fetch to be under way")
+        assert not answer  # heard of now, and being fetched: the request waits on
+        held["go"].set()
+        asking.join(30)
+        answered.set()
+        assert answer["status"] == "OK" and answer["result"]["data"] == {x.key: list(range(100))}
+        assert y.result(timeout=30) == 4950
+
+
+def test_a_value_it_never_hears_of_is_answered_without_after_the_grace() -> None:
+    with config.set(host_fetch_grace=0.2), \
+            shoal.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+        (worker,) = cluster.workers.values()
+        assert ask(worker.address, "nobody-has-this") == {"status": "OK", "result": {"data": {}}}
+        assert not worker._awaited
