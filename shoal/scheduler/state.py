@@ -158,6 +158,10 @@ DEFAULT_AHEAD = 2
 ALLOWED_FAILURES = 3
 #: graphs of at least this many tasks are taken in with the cyclic garbage collector off
 _BIG_GRAPH = 10_000
+#: how many keys of refused graphs the scheduler remembers, with why they were refused:
+#: a later graph that needs one (the next part of a big graph) is refused for that
+#: reason, not for an "unknown key" the user never wrote
+REFUSED_KEYS = 100_000
 
 
 class SchedulerState(Placement):
@@ -209,6 +213,8 @@ class SchedulerState(Placement):
         #: the events handled (opaque data dropped) and every task's transitions
         self.log = StateLog(events=log_size, transitions=10 * log_size)
         self._generation = itertools.count()
+        #: keys of refused graphs, oldest first, with the reason (at most REFUSED_KEYS)
+        self._refused: dict[Key, str] = {}
         self._instructions: list[Instruction] = []
         self._stimulus = ""
         #: how many payloads this scheduler deserialized (it never does: tests assert 0)
@@ -410,12 +416,20 @@ class SchedulerState(Placement):
         for t in new.values():
             for dep in t.dependencies:
                 if dep not in new and dep not in self.tasks:
-                    self._refuse_graph(ev, f"task {t.key!r} depends on unknown key {dep!r}")
+                    why = self._refused.get(dep)
+                    if why is not None:
+                        self._refuse_graph(ev, f"task {t.key!r} depends on {dep!r}, of a graph refused before: {why}",
+                                           root=why)
+                    else:
+                        self._refuse_graph(ev, f"task {t.key!r} depends on unknown key {dep!r}")
                     return
         cycle = find_cycle(new)
         if cycle:
             self._refuse_graph(ev, "the graph has a cycle: " + " -> ".join(map(repr, cycle)))
             return
+        if self._refused:
+            for key in new:
+                self._refused.pop(key, None)  # made now: no longer a refused graph's
         generation = next(self._generation)
         order = topological(new)
         created: list[TaskState] = []
@@ -479,7 +493,17 @@ class SchedulerState(Placement):
                 recs[old] = "waiting"
         self._recommend(recs)
 
-    def _refuse_graph(self, ev: UpdateGraphEvent, reason: str) -> None:
+    def _refuse_graph(self, ev: UpdateGraphEvent, reason: str, root: str | None = None) -> None:
+        """Err the graph's wanted keys with ``reason``, and remember its new keys with
+        ``root`` (the first refusal's reason, when this one follows from it)."""
+        root = root or reason
+        refused = self._refused
+        for t in ev.tasks:
+            if t.key not in self.tasks:
+                refused.pop(t.key, None)
+                refused[t.key] = root
+        while len(refused) > REFUSED_KEYS:
+            del refused[next(iter(refused))]
         for key in ev.wanted:
             self._emit(ClientMsg(self._stimulus, ev.client, to_wire(TaskErredMsg(
                 key, text=f"GraphError: {reason}", kind="GraphError", blame=key,

@@ -419,6 +419,27 @@ def test_an_unknown_dependency_is_refused_and_changes_nothing(s: Sched) -> None:
     assert not s.state.workers["w1"].processing
 
 
+def test_a_graph_needing_a_refused_graphs_key_is_refused_for_the_first_reason(s: Sched) -> None:
+    # the parts of a big graph: the second is refused, and the third needs its keys
+    s.add_worker("w1")
+    s.submit(task("a"), wanted=["a"])
+    s.submit(task("b", "a", "ghost"), wanted=["b"])
+    for later in (task("c", "b"), task("d", "c")):  # a chain of refusals keeps the first reason
+        out = s.submit(later, wanted=[later.key])
+        [(_, m)] = msgs(out)
+        assert m["kind"] == "GraphError" and m["key"] == later.key
+        assert "of a graph refused before: task 'b' depends on unknown key 'ghost'" in m["text"]
+    assert set(s.state.tasks) == {"a"}
+    # made later after all, then forgotten: an unknown key again, not a refused one
+    s.submit(task("b", "a"), wanted=["b"])
+    s.finish("w1", "a")
+    s.finish("w1", "b")
+    s.release("b")
+    out = s.submit(task("e", "b"), wanted=["e"])
+    [(_, m)] = msgs(out)
+    assert "depends on unknown key 'b'" in m["text"]
+
+
 def test_resubmitting_a_key_in_memory_reports_it_at_once(s: Sched) -> None:
     s.add_worker("w1")
     s.submit(task("x"))
