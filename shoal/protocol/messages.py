@@ -545,6 +545,9 @@ class NannyCloseMsg(Msg, tag="nanny-close"):
 class GetDataMsg(Msg, tag="get-data"):
     keys: list[Any]
     reply: bool = True
+    #: from a worker of the asked worker's host: wait for keys not yet heard of
+    #: (the scheduler may have named the asked worker the host's fetcher of them)
+    host_fetch: bool = False
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
 
 

@@ -98,7 +98,10 @@ class PeerData:
             # large values land in pooled segments: keeping them for this host is no copy
             comm.receive_large_frames_into(shm_born.land, shm_family.TRANSFER_MIN_BYTES)
         try:
-            await comm.write({"op": "get-data", "reply": True, "keys": inst.keys})
+            request: dict[str, Any] = {"op": "get-data", "reply": True, "keys": inst.keys}
+            if comm.destination != REMOTE:
+                request["host_fetch"] = True  # the peer may be this host's fetcher of them
+            await comm.write(request)
             response = await comm.read()
         except BaseException:
             comm.abort()
@@ -160,13 +163,13 @@ class PeerData:
 
     # -- serving
 
-    def get_data(self, comm: Comm, keys: list[Any]) -> Any:
+    def get_data(self, comm: Comm, keys: list[Any], host_fetch: bool = False) -> Any:
         assert self.state is not None
         tasks, store = self.state.tasks, self.store
         coming = {k for k in keys if k not in store and (t := tasks.get(k)) is not None and t.state in _COMING}
-        # a peer of this host asks for what this worker has not heard of: the scheduler
-        # named it the host's fetcher, and its own task may still be on the way
-        unheard = set() if comm.destination == REMOTE else {k for k in keys if k not in store and k not in tasks}
+        # a worker of this host asks for what this worker has not heard of: the
+        # scheduler may have named it the host's fetcher, its own task still on the way
+        unheard = {k for k in keys if k not in store and k not in tasks} if host_fetch else set()
         if coming or unheard:
             return self._get_data_once_fetched(comm, keys, coming | unheard, unheard)
         return self._serve(comm, keys)

@@ -29,13 +29,13 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     out: dict[str, Any] = {"address": None, "go": threading.Event()}
     get_data = Worker.get_data
 
-    def holding(self: Worker, comm: Any, keys: list[Any]) -> Any:
+    def holding(self: Worker, comm: Any, keys: list[Any], host_fetch: bool = False) -> Any:
         if self.address != out["address"] or out["go"].is_set():
-            return get_data(self, comm, keys)
+            return get_data(self, comm, keys, host_fetch)
 
         async def later() -> Any:
             await asyncio.get_running_loop().run_in_executor(None, out["go"].wait, 30)
-            answer = get_data(self, comm, keys)
+            answer = get_data(self, comm, keys, host_fetch)
             return await answer if asyncio.iscoroutine(answer) else answer
 
         return later()
@@ -47,13 +47,14 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     answered.set()
 
 
-def ask(address: str, key: Any) -> dict[str, Any]:
-    """A peer's ``get-data`` for ``key``, answered."""
+def ask(address: str, key: Any, host_fetch: bool = True) -> dict[str, Any]:
+    """A peer's ``get-data`` for ``key``, answered (as a worker of the same host asks,
+    or with ``host_fetch=False`` as a client does)."""
 
     async def main() -> dict[str, Any]:
         comm = await connect(address)
         try:
-            await comm.write({"op": "get-data", "reply": True, "keys": [key]})
+            await comm.write({"op": "get-data", "reply": True, "keys": [key], "host_fetch": host_fetch})
             return dict(await comm.read())
         finally:
             await comm.close()
@@ -140,4 +141,14 @@ def test_a_value_it_never_hears_of_is_answered_without_after_the_grace() -> None
             shoal.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
         (worker,) = cluster.workers.values()
         assert ask(worker.address, "nobody-has-this") == {"status": "OK", "result": {"data": {}}}
+        assert not worker._awaited
+
+
+def test_a_request_that_is_no_host_fetch_is_answered_at_once() -> None:
+    # a client's get-data (no host_fetch) for a key the worker does not know: were it
+    # to wait for the grace, the test's timeout would end it first
+    with config.set(host_fetch_grace=3600, host_fetch_wait=3600), \
+            shoal.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster:
+        (worker,) = cluster.workers.values()
+        assert ask(worker.address, "nobody", host_fetch=False) == {"status": "OK", "result": {"data": {}}}
         assert not worker._awaited
