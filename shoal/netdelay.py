@@ -33,7 +33,7 @@ import struct
 import sys
 import time
 
-__all__ = ["Delay", "main"]
+__all__ = ["Delay", "check_delay", "main"]
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_QUEUE = 3
@@ -59,14 +59,19 @@ def _attr(kind: int, payload: bytes) -> bytes:
     return raw + b"\0" * (-len(raw) % 4)
 
 
+def check_delay(ms: float) -> None:
+    """Raise ``ValueError`` unless ``ms`` is a delay this listener holds packets for."""
+    if not 0 < ms <= 10_000:
+        raise ValueError(f"a delay is more than 0 and at most 10,000 ms, not {ms!r}")
+
+
 class Delay:
     """Holds the packets of netfilter queue ``queue`` for ``ms`` milliseconds each."""
 
     def __init__(self, queue: int, ms: float, max_held: int = 1 << 16):
         if not 0 <= queue < 1 << 16:
             raise ValueError(f"a queue number is 0-65535, not {queue!r}")
-        if not 0 < ms <= 10_000:
-            raise ValueError(f"a delay is more than 0 and at most 10,000 ms, not {ms!r}")
+        check_delay(ms)
         self.queue = queue
         self.delay = ms / 1000.0
         self.held = 0  # packets held so far

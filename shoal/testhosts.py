@@ -21,9 +21,9 @@ Faults are made with nftables in a host's namespace (:meth:`Host.partition`,
 :meth:`Host.lose`): a partition drops every packet to and from the host's link, loss
 drops a random share of them. Latency (:meth:`Host.delay`) is an iptables rule that
 queues the packets coming in on the link (NFQUEUE) for a listener that lets each go a
-fixed time later (:mod:`shoal.netdelay`), since not every kernel has netem. Leaving the block (and on any failure while building)
-kills the processes started through the hosts, deletes the namespaces and unmounts
-the tmpfs mounts.
+fixed time later (:mod:`shoal.netdelay`), since not every kernel has netem. Leaving
+the block (and on any failure while building) kills the processes started through the
+hosts, deletes the namespaces and unmounts the tmpfs mounts.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from .netdelay import check_delay
 
 __all__ = ["Host", "TestHosts", "available"]
 
@@ -130,8 +132,7 @@ class Host:
         still charged to its sending socket, and TCP's small-queue limit would then
         hold the sender to a few packets per delay (netem, which this stands in for,
         lets go of that charge; a netfilter queue cannot)."""
-        if not 0 < ms <= 10_000:
-            raise ValueError(f"a delay is more than 0 and at most 10,000 ms, not {ms!r}")
+        check_delay(ms)  # before anything starts
         if shutil.which("iptables-legacy") is None:
             raise OSError("latency between test hosts needs iptables-legacy (Debian's iptables)")
         self._stop_delay()

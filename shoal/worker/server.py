@@ -159,7 +159,7 @@ class Worker(PeerData):
         #: bytes of values this worker sent or received, by how they travelled
         #: bytes moved by path, and the inputs moved here for the task stream
         self.traffic = Traffic()
-        #: get-data requests waiting for keys this worker is fetching: (keys, done)
+        #: get-data requests waiting for keys this worker is fetching
         self._awaited: list[WaitingRequest] = []
         self._cpu = CpuMeter()
         #: the state machine failed (a bug): it gets no more events, the worker closes
