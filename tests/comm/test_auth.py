@@ -16,6 +16,7 @@ import pickle
 import re
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -293,6 +294,45 @@ def test_a_peer_that_stops_in_the_middle_of_a_message_is_closed():
                 assert recv_until_closed(sock) == b""
                 logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
             assert thread.run(_echo_via(server.address, sec)) == "ok"
+        finally:
+            _stop(thread, server)
+
+
+def test_a_peer_that_stops_in_the_middle_of_a_large_frame_is_closed():
+    # a large frame is read with a low-water mark (the loop wakes per 512 KiB): bytes
+    # below it that never grow are taken in by the stall check, then the stall counts
+    with config.set(partial_message_timeout=0.2):
+        sec = Security.new()
+        thread, server = _serving(sec)
+        try:
+            with log_waiter() as logs, _raw(server.address) as sock:
+                complete_handshake(sock, sec.secret)
+                sock.sendall(struct.pack("<QQ", 1, 4 << 20) + b"\x81" * (100 << 10))  # 100 KiB of 4 MiB
+                assert recv_until_closed(sock) == b""
+                logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
+            assert thread.run(_echo_via(server.address, sec)) == "ok"
+        finally:
+            _stop(thread, server)
+
+
+def test_a_large_frame_that_trickles_in_is_not_taken_for_a_stall():
+    # pieces far below the low-water mark, for longer in all than the stall timeout:
+    # the stall check takes them in, and the message is answered
+    with config.set(partial_message_timeout=1.0):
+        sec = Security.new()
+        thread, server = _serving(sec)
+        try:
+            with _raw(server.address) as sock:
+                complete_handshake(sock, sec.secret)
+                data = message_bytes({"op": "echo", "reply": True, "x": "a" * (4 << 20)})
+                piece = 16 << 10
+                for i in range(12):  # 12 pieces of 16 KiB, 0.25 s apart: 3 s
+                    sock.sendall(data[i * piece:(i + 1) * piece])
+                    time.sleep(0.25)  # the slow peer itself, not a wait for a condition
+                sock.sendall(data[12 * piece:])
+                [frame] = recv_frames(sock)
+                reply = msgpack.unpackb(frame)
+                assert reply["status"] == "OK" and reply["result"] == "a" * (4 << 20)
         finally:
             _stop(thread, server)
 
