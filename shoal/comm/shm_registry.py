@@ -543,6 +543,21 @@ class SegmentRegistry:
         with self._lock:
             return [(size, name) for name, (size, _) in self._pool.items()]
 
+    def owner_view(self, buffer: memoryview) -> memoryview | None:
+        """The same bytes as ``buffer`` (a view of a segment this process mapped) in
+        the owner's mapping of that segment, if this process keeps one, else None. The
+        owner's mapping has its pages mapped: a value's own (copy-on-write) mapping is
+        new, and a first read of it faults every 64 KiB."""
+        found = self.locate(buffer)
+        if found is None:
+            return None
+        name, _, offset, length, _ = found
+        with self._lock:
+            writer = self._writers.get(name)
+            if writer is None or writer.closed or len(writer) < offset + length:
+                return None
+            return memoryview(writer)[offset : offset + length]
+
     def has_writer(self, name: str) -> bool:
         """Whether this process keeps an owner's mapping of segment ``name``."""
         return name in self._writers

@@ -42,13 +42,14 @@ from ..errors import (
     HandshakeError,
     ProtocolError,
 )
-from ..protocol import loads, prepare
+from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
 from .framing import alloc_buffer
 from . import security as _security
 from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
 from .handshake import ACCEPTOR, CONNECTOR, run_handshake
 from .shm_family import receiving_from
+from .shm_registry import registry
 from .security import Security
 
 __all__ = ["TCPComm", "TCPListener", "TCPBackend", "offload_executor", "alloc_buffer"]
@@ -61,6 +62,7 @@ _LEASE_ACK = "shoal-lease-ack"
 _IOV_MAX = 512
 _HANDSHAKE_TIMEOUT = 10.0
 _COALESCE = 1 << 12  # a one-frame message up to this size is sent as a single buffer
+_OWNER_VIEW_MIN = 1 << 20  # a frame this large to another host goes from the owner's mapping
 _ONE_FRAME = struct.Struct("<QQ")  # the length prefix of a one-frame message
 
 _executor: ThreadPoolExecutor | None = None
@@ -234,8 +236,10 @@ class TCPComm(Comm):
             self._writers += 1
             try:
                 async with self._write_lock:
-                    frames = await self._loop.run_in_executor(
-                        offload_executor(), prepared.frames, self.destination
+                    # (``kept``: the frames replaced, alive until sent: their mapping
+                    # holds the segment's lock, so the owner cannot reuse it meanwhile)
+                    frames, kept = await self._loop.run_in_executor(
+                        offload_executor(), _frames_for, prepared, self.destination
                     )
                     buffers, size = _buffers(frames)
                     if self.closed():
@@ -425,6 +429,24 @@ def _advance(views: deque[Any], sent: int) -> None:
             sent = 0
     while views and _nbytes(views[0]) == 0:
         views.popleft()
+
+
+def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
+    """A large message's frames for ``destination``, and the frames replaced. To
+    another host, a large frame that lies in a segment this process owns goes out from
+    the owner's mapping of it: the same bytes, with its pages mapped, where the value's
+    own (copy-on-write) mapping is new and faults every 64 KiB while the kernel copies
+    from it."""
+    frames = list(prepared.frames(destination))
+    replaced = []
+    if destination == REMOTE:
+        for i, frame in enumerate(frames):
+            if type(frame) is not bytes and _nbytes(frame) >= _OWNER_VIEW_MIN:
+                view = registry.owner_view(memoryview(frame).cast("B"))
+                if view is not None:
+                    replaced.append(frame)
+                    frames[i] = view
+    return frames, replaced
 
 
 def _buffers(frames: list[Any]) -> tuple[list[Any], int]:

@@ -35,6 +35,31 @@ def test_place_and_attach_round_trip_copy_on_write():
         shm.attach(["shoal-999999999-gone", 4096, 10, [], "0" * 16])
 
 
+def test_a_large_frame_to_another_host_goes_out_from_the_owners_mapping():
+    from shoal.comm.shm_files import buffer_address
+    from shoal.comm.tcp import _frames_for
+    from shoal.protocol import REMOTE, prepare
+
+    a = np.arange(1 << 18, dtype=np.float64)  # 2 MiB
+    seg, local = shm.place(a)
+    try:
+        frames, replaced = _frames_for(prepare({"x": to_serialize(local)}), REMOTE)
+        [big] = [f for f in frames if memoryview(f).nbytes >= 1 << 20]
+        # the same bytes, from the owner's mapping (its pages are there), not the
+        # value's own copy-on-write one, which stays alive with the message
+        assert bytes(big) == a.tobytes()
+        assert buffer_address(memoryview(big)) != buffer_address(memoryview(local))
+        assert [buffer_address(memoryview(r)) for r in replaced] == [buffer_address(memoryview(local))]
+        # same host: no change (the value goes as a segment reference there anyway)
+        frames, replaced = _frames_for(prepare({"x": to_serialize(local)}), SAME_HOST)
+        assert replaced == []
+    finally:
+        seg.unlink()
+    # a private value (no segment) goes as it is
+    frames, replaced = _frames_for(prepare({"x": to_serialize(np.ones(1 << 18))}), REMOTE)
+    assert replaced == []
+
+
 def test_small_or_bufferless_values_are_not_placed():
     assert shm.place(np.arange(10)) is None
     assert shm.place({"a": 1}) is None
