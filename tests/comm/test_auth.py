@@ -283,31 +283,21 @@ async def _retry_echo(address: str, sec: Security) -> Any:
             await asyncio.sleep(0.01)  # retry backoff while the listener frees slots
 
 
-def test_a_peer_that_stops_in_the_middle_of_a_message_is_closed():
+@pytest.mark.parametrize("sent", [
+    struct.pack("<QQ", 1, 100) + b"\x81",  # 1 byte of 100
+    # 100 KiB of a 4 MiB frame: a large frame is read with a low-water mark (the loop
+    # wakes per 512 KiB); bytes below it that never grow are taken in by the stall
+    # check, then the stall counts
+    struct.pack("<QQ", 1, 4 << 20) + b"\x81" * (100 << 10),
+], ids=["small", "large"])
+def test_a_peer_that_stops_in_the_middle_of_a_message_is_closed(sent: bytes):
     with config.set(partial_message_timeout=0.2):
         sec = Security.new()
         thread, server = _serving(sec)
         try:
             with log_waiter() as logs, _raw(server.address) as sock:
                 complete_handshake(sock, sec.secret)
-                sock.sendall(struct.pack("<QQ", 1, 100) + b"\x81")  # 1 byte of 100
-                assert recv_until_closed(sock) == b""
-                logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
-            assert thread.run(_echo_via(server.address, sec)) == "ok"
-        finally:
-            _stop(thread, server)
-
-
-def test_a_peer_that_stops_in_the_middle_of_a_large_frame_is_closed():
-    # a large frame is read with a low-water mark (the loop wakes per 512 KiB): bytes
-    # below it that never grow are taken in by the stall check, then the stall counts
-    with config.set(partial_message_timeout=0.2):
-        sec = Security.new()
-        thread, server = _serving(sec)
-        try:
-            with log_waiter() as logs, _raw(server.address) as sock:
-                complete_handshake(sock, sec.secret)
-                sock.sendall(struct.pack("<QQ", 1, 4 << 20) + b"\x81" * (100 << 10))  # 100 KiB of 4 MiB
+                sock.sendall(sent)
                 assert recv_until_closed(sock) == b""
                 logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
             assert thread.run(_echo_via(server.address, sec)) == "ok"
