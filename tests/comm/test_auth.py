@@ -8,6 +8,7 @@ than the handshake, and the listener keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -17,6 +18,7 @@ import re
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -67,15 +69,12 @@ async def test_same_secret_connects_and_the_peer_is_authenticated():
 
 
 def test_no_secret_is_refused_with_a_reason_on_both_sides(caplog):
-    thread, server = _serving(Security.new())
-    try:
+    with _served(Security.new()) as (thread, server):
         with log_waiter() as logs:
             with pytest.raises(AuthenticationError, match="requires authentication.*SHOAL_AUTH"):
                 asyncio.run(connect(server.address, security=Security.disabled(), timeout=5))
             record = logs.wait_for(lambda r: "refused connection from" in r.getMessage())
         assert record.levelno >= logging.WARNING and "no secret" in record.getMessage()
-    finally:
-        _stop(thread, server)
 
 
 async def test_a_wrong_secret_is_refused():
@@ -117,17 +116,17 @@ async def test_a_listener_without_security_makes_a_secret_only_this_process_know
 # ------------------------------------------------------------------ raw peers
 
 
-def _serving(sec: Security) -> Any:
-    """A loop thread serving echo with ``sec``; yields (thread, address)."""
+@contextlib.contextmanager
+def _served(sec: Security) -> Iterator[tuple[LoopThread, Server]]:
+    """A loop thread serving echo with ``sec``: ``(thread, server)``, stopped on leaving."""
     thread = LoopThread(name="auth-server")
     thread.__enter__()
-    server = thread.run(_echo_server(sec))
-    return thread, server
-
-
-def _stop(thread: LoopThread, server: Server) -> None:
     try:
-        thread.run(server.close())
+        server = thread.run(_echo_server(sec))
+        try:
+            yield thread, server
+        finally:
+            thread.run(server.close())
     finally:
         thread.__exit__(None, None, None)
 
@@ -139,8 +138,7 @@ def _raw(address: str) -> socket.socket:
 
 def test_the_secret_never_crosses_the_wire_and_a_raw_peer_with_it_gets_in():
     sec = Security("a-secret-that-must-not-travel")
-    thread, server = _serving(sec)
-    try:
+    with _served(sec) as (thread, server):
         with _raw(server.address) as sock:
             info = complete_handshake(sock, sec.secret)
             assert info["op"] == "handshake-auth" and isinstance(info["proof"], bytes)
@@ -148,15 +146,12 @@ def test_the_secret_never_crosses_the_wire_and_a_raw_peer_with_it_gets_in():
             (response,) = recv_frames(sock)
             assert msgpack.unpackb(response) == {"status": "OK", "result": "in"}
             assert sec.secret not in response and sec.secret not in info["proof"]
-    finally:
-        _stop(thread, server)
 
 
 def test_a_proof_made_for_the_other_role_is_refused():
     """A peer cannot pass our own kind of proof back to us: the role is in the HMAC."""
     sec = Security.new()
-    thread, server = _serving(sec)
-    try:
+    with _served(sec) as (thread, server):
         with _raw(server.address) as sock:
             nonce = os.urandom(32)
             sock.sendall(handshake_bytes(nonce=nonce))
@@ -167,8 +162,6 @@ def test_a_proof_made_for_the_other_role_is_refused():
             rest = recv_until_closed(sock)
             assert b"handshake-refused" in rest and b"authentication failed" in rest
         assert thread.run(_echo_via(server.address, sec)) == "ok"  # serves on
-    finally:
-        _stop(thread, server)
 
 
 async def _echo_via(address: str, sec: Security) -> Any:
@@ -204,22 +197,18 @@ def test_a_stranger_s_first_message_is_never_decoded(tmp_path, where):
         "ext-in-header": [header],
         "oversized": [msgpack.packb({"op": "handshake", "pad": b"x" * (MAX_BYTES + 1)})],
     }[where]
-    thread, server = _serving(Security.new())
-    try:
+    with _served(Security.new()) as (thread, server):
         with _raw(server.address) as sock:
             sock.sendall(frame_bytes(frames))
             recv_until_closed(sock)
         assert thread.run(_echo_via(server.address, server.security)) == "ok"
-    finally:
-        _stop(thread, server)
     assert os.listdir(tmp_path) == []
 
 
 def test_nothing_after_the_handshake_messages_is_parsed_before_the_proof(tmp_path):
     """A stranger that sends its requests right behind a bad proof gets none of them read."""
     sec = Security.new()
-    thread, server = _serving(sec)
-    try:
+    with _served(sec) as (thread, server):
         with _raw(server.address) as sock:
             sock.sendall(handshake_bytes(nonce=os.urandom(32)))
             recv_frames(sock)
@@ -228,21 +217,16 @@ def test_nothing_after_the_handshake_messages_is_parsed_before_the_proof(tmp_pat
             sock.sendall(bogus + message_bytes({"op": "handshake-shm", "can_map": False}) + big)
             rest = recv_until_closed(sock)
             assert b"authentication failed" in rest
-    finally:
-        _stop(thread, server)
 
 
 def test_a_peer_of_another_version_is_told_both_versions():
-    thread, server = _serving(Security.new())
-    try:
+    with _served(Security.new()) as (thread, server):
         with _raw(server.address) as sock:
             sock.sendall(handshake_bytes(protocol=PROTOCOL_VERSION - 1, nonce=os.urandom(32)))
             data = recv_until_closed(sock)
         refusal = [m for m in one_frame_messages(data) if m["op"] == "handshake-refused"]
         assert refusal and f"version {PROTOCOL_VERSION - 1}" in refusal[0]["reason"]
         assert f"version {PROTOCOL_VERSION}" in refusal[0]["reason"]
-    finally:
-        _stop(thread, server)
 
 
 # ------------------------------------------------------------------ limits on strangers
@@ -250,25 +234,24 @@ def test_a_peer_of_another_version_is_told_both_versions():
 
 def test_too_many_strangers_at_once_are_turned_away_and_the_rest_serve_on():
     with config.set(max_handshaking=3):
-        thread, server = _serving(Security.new())
-        strangers: list[socket.socket] = []
-        try:
-            with log_waiter() as logs:
-                for _ in range(3):  # connected, silent: each holds a handshake slot
-                    strangers.append(_raw(server.address))
-                    strangers[-1].recv(4096)  # its step 1 arrived: the slot is taken
-                late = _raw(server.address)
-                strangers.append(late)
-                assert recv_until_closed(late) == b""  # closed before anything was said
-                logs.wait_for(lambda r: "max-handshaking" in r.getMessage())
-            for s in strangers[:3]:
-                s.close()
-            # the slots come back as the strangers go: a real peer gets in
-            assert thread.run(_retry_echo(server.address, server.security)) == "ok"
-        finally:
-            for s in strangers:
-                s.close()
-            _stop(thread, server)
+        with _served(Security.new()) as (thread, server):
+            strangers: list[socket.socket] = []
+            try:
+                with log_waiter() as logs:
+                    for _ in range(3):  # connected, silent: each holds a handshake slot
+                        strangers.append(_raw(server.address))
+                        strangers[-1].recv(4096)  # its step 1 arrived: the slot is taken
+                    late = _raw(server.address)
+                    strangers.append(late)
+                    assert recv_until_closed(late) == b""  # closed before anything was said
+                    logs.wait_for(lambda r: "max-handshaking" in r.getMessage())
+                for s in strangers[:3]:
+                    s.close()
+                # the slots come back as the strangers go: a real peer gets in
+                assert thread.run(_retry_echo(server.address, server.security)) == "ok"
+            finally:
+                for s in strangers:
+                    s.close()
 
 
 async def _retry_echo(address: str, sec: Security) -> Any:
@@ -293,16 +276,13 @@ async def _retry_echo(address: str, sec: Security) -> Any:
 def test_a_peer_that_stops_in_the_middle_of_a_message_is_closed(sent: bytes):
     with config.set(partial_message_timeout=0.2):
         sec = Security.new()
-        thread, server = _serving(sec)
-        try:
+        with _served(sec) as (thread, server):
             with log_waiter() as logs, _raw(server.address) as sock:
                 complete_handshake(sock, sec.secret)
                 sock.sendall(sent)
                 assert recv_until_closed(sock) == b""
                 logs.wait_for(lambda r: "stopped in the middle of a message" in r.getMessage())
             assert thread.run(_echo_via(server.address, sec)) == "ok"
-        finally:
-            _stop(thread, server)
 
 
 def test_a_large_frame_that_trickles_in_is_not_taken_for_a_stall():
@@ -310,8 +290,7 @@ def test_a_large_frame_that_trickles_in_is_not_taken_for_a_stall():
     # the stall check takes them in, and the message is answered
     with config.set(partial_message_timeout=1.0):
         sec = Security.new()
-        thread, server = _serving(sec)
-        try:
+        with _served(sec) as (thread, server):
             with _raw(server.address) as sock:
                 complete_handshake(sock, sec.secret)
                 data = message_bytes({"op": "echo", "reply": True, "x": "a" * (4 << 20)})
@@ -323,15 +302,12 @@ def test_a_large_frame_that_trickles_in_is_not_taken_for_a_stall():
                 [frame] = recv_frames(sock)
                 reply = msgpack.unpackb(frame)
                 assert reply["status"] == "OK" and reply["result"] == "a" * (4 << 20)
-        finally:
-            _stop(thread, server)
 
 
 def test_an_idle_request_connection_is_closed_but_a_busy_one_is_not():
     with config.set(idle_timeout=0.3):
         sec = Security.new()
-        thread, server = _serving(sec)
-        try:
+        with _served(sec) as (thread, server):
             with _raw(server.address) as idle:
                 complete_handshake(idle, sec.secret)
                 idle.sendall(message_bytes({"op": "echo", "reply": True, "x": 1}))
@@ -339,8 +315,6 @@ def test_an_idle_request_connection_is_closed_but_a_busy_one_is_not():
                 assert recv_until_closed(idle) == b""  # then nothing: closed by the server
             # a pool does not hand out a connection its server is about to close
             assert thread.run(_echo_via(server.address, sec)) == "ok"
-        finally:
-            _stop(thread, server)
 
 
 # ------------------------------------------------------------------ the documented example
