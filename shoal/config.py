@@ -120,6 +120,11 @@ _DEFAULTS: dict[str, Any] = {
     # task-stream records the scheduler keeps (the oldest go first): what the dashboard,
     # get_task_stream and performance_report can show
     "dashboard-task-stream-size": 100_000,
+    # while a scheduler or a worker runs in a process, the cyclic garbage collector's
+    # young generation is collected after this many allocations at the least (Python's
+    # default: 700), so full passes over every object come that much less often
+    # (shoal.gcpolicy; 0: the collector is left as it is)
+    "gc-threshold": 10_000,
     # function cache entries
     "function-cache-size": 1000,
     # functions whose serialized form is larger than this are not cached

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
-from .. import config
+from .. import config, gcpolicy
 from ..comm import Comm, security, shm, shm_handover
 from ..comm.security import Security, warn_if_exposed
 from ..comm.core import local_info
@@ -173,6 +173,8 @@ class Scheduler:
         self._housekeeping: asyncio.Future[None] | None = None
         self._liveness: asyncio.Future[None] | None = None
         self.closing = False
+        #: whether it holds the collector's policy of this process (shoal.gcpolicy)
+        self._gc_held = False
 
     @property
     def address(self) -> str:
@@ -187,6 +189,9 @@ class Scheduler:
         #: the loop it runs on (plugins of this process are added there)
         self.loop = asyncio.get_running_loop()
         listener = await self.server.listen(address)
+        if not self._gc_held:
+            self._gc_held = True
+            gcpolicy.hold()
         # connections of this process to it find its secret without being told
         security.register(listener.contact_address, self.security)
         warn_if_exposed(listener.listen_address, self.security)
@@ -672,6 +677,9 @@ class Scheduler:
         if shm.enabled():
             shm.work_off()
             shm.drain_pool()
+        if self._gc_held:
+            self._gc_held = False
+            gcpolicy.release()
 
 
 async def _reply_error(comm: Comm, text: str) -> None:

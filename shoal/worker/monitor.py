@@ -27,7 +27,8 @@ What counts as the process's memory: its private resident memory (the resident s
 less the pages of files and shared memory), plus the segments it owns (its values' and
 those kept for reuse; a peer's segment that it maps is its owner's to count), and never
 less than what the store holds. The segments kept for reuse go back first, before
-anything is spilled.
+anything is spilled; then a full pass of the cyclic collector (at most one a second)
+frees values that only reference cycles still hold.
 Workers that share their process with others (an in-process cluster) cannot tell
 their part of it: they go by the store's figures alone.
 
@@ -53,8 +54,11 @@ process leave its allocator alone.
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import os
+import time
 from typing import Any
 
 from .. import config
@@ -173,6 +177,26 @@ class MemoryMonitor:
         self._warned_spill = False
         #: what the process held besides the store's values at the last look
         self.unmanaged = 0
+        #: full collections run before spilling (_collect_garbage): when the last one
+        #: ended and how long it took, and how many there were
+        self._gc_at = -math.inf
+        self._gc_took = 0.0
+        self.collections = 0
+
+    def _collect_garbage(self) -> bool:
+        """A full pass of the cyclic collector before anything is spilled: values held
+        only by reference cycles (an exception's traceback, say) go first, and they go
+        later than by Python's default while shoal serves (:mod:`shoal.gcpolicy`). At
+        most one pass a second, and no more than 5% of the time (a pass over a big heap
+        takes long); returns whether it ran."""
+        now = time.monotonic()
+        if now - self._gc_at < max(1.0, 20 * self._gc_took):
+            return False
+        gc.collect()
+        self._gc_at = time.monotonic()
+        self._gc_took = self._gc_at - now
+        self.collections += 1
+        return True
 
     def fits(self, nbytes: int) -> bool:
         """Whether a new value of ``nbytes`` would leave the process below the target,
@@ -213,6 +237,8 @@ class MemoryMonitor:
         used = self.used()
         if t.spill is not None and used > t.spill and self._give_back is not None:
             self._give_back()
+            used = self.used()
+        if t.spill is not None and used > t.spill and self._collect_garbage():
             used = self.used()
         if t.spill is not None and used > t.spill:
             goal = t.target if t.target is not None else t.spill

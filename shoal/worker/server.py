@@ -32,7 +32,7 @@ from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
 from ..errors import CommError, ProtocolError, describe, short_repr
-from .. import config
+from .. import config, gcpolicy
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
@@ -150,6 +150,8 @@ class Worker(PeerData):
         self._tasks: set[asyncio.Future[Any]] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
+        #: whether it holds the collector's policy of this process (shoal.gcpolicy)
+        self._gc_held = False
         self.status = "created"
         self.store = WorkerStore()
         self.monitor: MemoryMonitor | None = None
@@ -231,6 +233,8 @@ class Worker(PeerData):
         if config.get("heartbeat-interval") > 0:
             self._spawn(self._report_memory_every(config.get("heartbeat-interval")))
         self.status = "running"
+        self._gc_held = True
+        gcpolicy.hold()
         return self
 
     # -- memory (shoal.worker.monitor)
@@ -666,6 +670,9 @@ class Worker(PeerData):
             # its spilled values go with it (a nanny removes it too, after a crash)
             shutil.rmtree(self.work_dir, ignore_errors=True)
         self.threads.release()
+        if self._gc_held:
+            self._gc_held = False
+            gcpolicy.release()
         self.status = "closed"
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)

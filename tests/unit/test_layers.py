@@ -27,7 +27,7 @@ LAYERS = {
     # package itself imports nothing
     "shoal.dashboard.server": {"shoal.protocol", "shoal.comm", "shoal.rpc", "shoal.scheduler"},
 }
-ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing", "shoal.statelog"}
+ALWAYS = {"shoal", "shoal.errors", "shoal.config", "shoal._loop", "shoal.testing", "shoal.statelog", "shoal.gcpolicy"}
 
 
 def _layer_of(module: str) -> str:

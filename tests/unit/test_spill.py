@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -626,3 +627,37 @@ def test_the_users_malloc_setting_wins_and_zero_turns_it_off() -> None:
     for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
         assert _run_heap_script({**env, name: "1000000"})[0] == "False"
     assert _run_heap_script({**env, "SHOAL_MALLOC_THRESHOLD": "0"})[0] == "False"
+
+
+def test_past_spill_values_held_only_by_cycles_are_collected(tmp_path) -> None:
+    """Past spill, a value that only a reference cycle still holds (the collector runs
+    rarely while shoal serves) is freed by a full collection, at most once a second."""
+    from shoal.worker.memory import Thresholds
+    from shoal.worker.monitor import MemoryMonitor
+    from shoal.worker.store import WorkerStore
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+            self.value = np.ones(20 * MB, dtype="u1")
+
+    store = WorkerStore(target=None, directory=str(tmp_path / "spill"))
+    gc.disable()  # the cycle stays until someone collects it
+    try:
+        store["kept"] = np.ones(MB, dtype="u1")
+        node = Node()
+        held = weakref.ref(node)
+        del node
+        # a worker sharing its process goes by the store's figures; these thresholds
+        # put it past spill whatever the store holds
+        monitor = MemoryMonitor(store, Thresholds(4, None, 1, None, None), own_process=False,
+                                pause=lambda paused: None)
+        monitor.check()
+        assert held() is None and monitor.collections == 1
+        Node()  # another cycle, within the second: not collected by this look
+        monitor.check()
+        assert monitor.collections == 1
+    finally:
+        gc.enable()
+        gc.collect()
+        store.clear()
