@@ -106,6 +106,18 @@ class Transition(NamedTuple):
     stimulus_id: str
 
 
+#: per event type: (its ``logged`` function or None, whether it carries ``tasks``)
+_PLANS: dict[type, tuple[Any, bool]] = {}
+
+
+def _plan(typ: type) -> tuple[Any, bool]:
+    logged = getattr(typ, "logged", None)
+    fields: Iterable[str] = (getattr(typ, "__dataclass_fields__", None) or getattr(typ, "__struct_fields__", None)
+                             or ())
+    plan = _PLANS[typ] = (logged if callable(logged) else None, "tasks" in fields or hasattr(typ, "tasks"))
+    return plan
+
+
 class StateLog:
     """The last ``events`` events and the last ``transitions`` transitions; the
     events kept hold at most ``tasks`` tasks of graphs in all (older events go first to
@@ -128,11 +140,14 @@ class StateLog:
     def event(self, ev: Any, first: bool = True) -> None:
         """Keep ``ev`` (its ``logged()`` copy when it has one); ``first``: it is the
         first event of its ``handle()`` call."""
-        logged = getattr(ev, "logged", None)
+        plan = _PLANS.get(type(ev))
+        if plan is None:
+            plan = _plan(type(ev))
+        logged, counts_tasks = plan
         if logged is not None:
-            ev = logged()
+            ev = logged(ev)
         events = self.events
-        tasks = getattr(ev, "tasks", None)
+        tasks = ev.tasks if counts_tasks else None
         if tasks or self._tasks_held:
             n = len(tasks) if tasks else 0
             while events and self._tasks_held + n > self.tasks:

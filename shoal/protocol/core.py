@@ -29,9 +29,11 @@ from functools import partial
 from typing import Any
 
 import msgpack
+import msgspec
 
 from ..errors import ProtocolError, SerializationError
 from .leases import Lease, collecting
+from .msgbase import Msg
 from .serialize import (
     ALL_DESTINATIONS,
     BigInt,
@@ -398,6 +400,17 @@ def unwrap(msg: Any) -> Any:
                     out = dict(msg)
                 out[k] = v2
         return msg if out is None else out
+    if isinstance(msg, Msg):
+        # a message struct handed over by a peer in this process (its values by reference)
+        changed = None
+        for name in msg.__struct_fields__:
+            v = getattr(msg, name)
+            v2 = unwrap(v)
+            if v2 is not v:
+                if changed is None:
+                    changed = {}
+                changed[name] = v2
+        return msg if changed is None else msgspec.structs.replace(msg, **changed)
     if typ is list or typ is tuple:
         out_l = None
         for i, v in enumerate(msg):

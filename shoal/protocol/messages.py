@@ -26,11 +26,13 @@ from ..errors import ProtocolError
 from .coordination_msgs import COORDINATION_REQUESTS, COORDINATION_STREAM
 from .msgbase import MAX_KEY_DEPTH, Key, Msg, SegmentInfo, SegmentRef, key_problem, segment_info
 from .resources import language_problem, resources_problem
+from .serialize import SAME_PROCESS
 
 __all__ = [
     "Msg",
     "decode",
     "to_wire",
+    "for_destination",
     "key_problem",
     "SegmentInfo",
     "SegmentRef",
@@ -622,9 +624,15 @@ def decode(table: dict[str, type[Msg]], msg: Any, where: str = "") -> Msg:
 
     Raises :class:`ProtocolError` naming the op and the field for anything that is
     not such a message: not a map, an op the table does not have, a missing or
-    mistyped field, a key that is not a key.
+    mistyped field, a key that is not a key. A struct of the table's type (what a
+    peer of this process hands over in-process, see :func:`for_destination`) is
+    returned as it is.
     """
     if type(msg) is not dict:
+        if isinstance(msg, Msg) and table.get(msg.__struct_config__.tag) is type(msg):  # type: ignore[arg-type]
+            # a struct: written by a peer in this process (an in-process comm hands over
+            # objects; from a socket only maps arrive), already typed
+            return msg
         raise ProtocolError(f"{where}expected a message (a map with an 'op'), got {type(msg).__name__}")
     op = msg.get("op")
     typ = table.get(op) if type(op) is str else None
@@ -689,6 +697,8 @@ def _check_segments(msg: Msg, where: str, op: str) -> None:
     is what the layers above store and forward)."""
     for name, many in msg.segment_fields:
         value = getattr(msg, name)
+        if value is None:
+            continue  # (most messages: no segment)
         try:
             if many:
                 if value is not None:
@@ -713,14 +723,19 @@ def _check_tasks(msg: UpdateGraphMsg) -> None:
             raise ProtocolError(f"malformed 'update-graph': task {i}: language: {problem}")
 
 
+def for_destination(msg: Msg, destination: str) -> Msg | dict[str, Any]:
+    """``msg`` as it goes to a peer at ``destination``: the struct itself to a peer in
+    this process (passed by reference, nothing converted twice), else its map."""
+    return msg if destination == SAME_PROCESS else to_wire(msg)
+
+
 def to_wire(msg: Msg) -> dict[str, Any]:
     """The map that carries ``msg``: its op first, then every field but optional ones
     that hold their default."""
     out: dict[str, Any] = {"op": msg.__struct_config__.tag}
-    optional = msg.optional
-    for name in msg.__struct_fields__:
-        value = getattr(msg, name)
-        if name in optional and (value is None or value is False or value == ""):
-            continue  # optional fields default to nil, false or ""
-        out[name] = value
+    out.update(msgspec.structs.asdict(msg))
+    for name in msg.optional:
+        value = out[name]
+        if value is None or value is False or (type(value) is str and not value):
+            del out[name]  # optional fields default to nil, false or ""
     return out

@@ -455,6 +455,11 @@ def sizeof(obj: Any, strict: bool = False) -> int:
 
 
 def _sizeof(obj: Any) -> int:
+    typ = type(obj)
+    if typ is int or typ is float or typ is str or typ is bool or obj is None:
+        return sys.getsizeof(obj)  # (the common arguments and results: no lookups)
+    if typ is bytes:
+        return len(obj)
     if isinstance(obj, Serialize):
         obj = obj.data
     if isinstance(obj, Serialized):

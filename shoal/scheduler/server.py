@@ -55,6 +55,7 @@ from ..protocol.messages import (
     UpdateGraphMsg,
     WorkerTaskErredMsg,
     decode,
+    for_destination,
     key_problem,
     to_wire,
 )
@@ -590,11 +591,11 @@ class Scheduler:
         if isinstance(inst, ComputeTask):
             payload = self._payload_for(inst)
             if payload is not None:
-                self._send_worker(inst.worker, to_wire(ComputeTaskMsg(
+                self._send_worker(inst.worker, ComputeTaskMsg(
                     inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
                     shm=inst.shm or None, report=inst.report, stimulus_id=inst.stimulus_id,
                     resources=inst.resources,
-                )))
+                ))
         elif isinstance(inst, CloseWorkerStream):
             logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
                            inst.worker, inst.silent_for, self.state.worker_ttl)
@@ -644,10 +645,15 @@ class Scheduler:
                      msg.get("op") if isinstance(msg, dict) else type(msg).__name__, address, error)
         return None
 
-    def _send_worker(self, address: str, msg: dict[str, Any], lazy: bool = False) -> None:
+    def _send_worker(self, address: str, msg: Msg | dict[str, Any], lazy: bool = False) -> None:
+        """Send ``msg`` on the stream of worker ``address`` (a struct goes as it is to
+        a worker of this process, else as its map)."""
         stream = self.worker_streams.get(address)
         if stream is None:
             return
+        if type(msg) is not dict:
+            comm = self.worker_comms.get(address)
+            msg = for_destination(msg, comm.destination if comm is not None else REMOTE)  # type: ignore[arg-type]
         try:
             stream.send(msg, lazy=lazy)
         except CommError:

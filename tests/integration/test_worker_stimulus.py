@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import shoal
-from shoal.protocol.messages import Msg, TaskFinishedMsg
+from shoal.protocol.messages import Msg, TaskFinishedMsg, to_wire
 from shoal.scheduler.server import Scheduler
 from shoal.testing import wait_for
 
@@ -25,8 +25,10 @@ def test_stimulus_ids_travel_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     reports: list[Msg] = []
     send_worker, worker_msg = Scheduler._send_worker, Scheduler._worker_msg
 
-    def send(self: Scheduler, address: str, msg: dict[str, Any], lazy: bool = False) -> None:
-        if isinstance(msg, dict) and msg.get("op") in ("compute-task", "free-keys"):
+    def send(self: Scheduler, address: str, msg: Msg | dict[str, Any], lazy: bool = False) -> None:
+        if isinstance(msg, Msg):
+            msg = to_wire(msg)  # (to a worker of this process a task goes as a struct)
+        if msg.get("op") in ("compute-task", "free-keys"):
             # whatever the scheduler says, or (a scheduler that says nothing) an id of ours
             msg = {**msg, "stimulus_id": msg.get("stimulus_id") or f"scheduler-{msg['op']}-{len(told)}"}
             for key in msg.get("keys", [msg.get("key")]):

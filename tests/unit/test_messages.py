@@ -109,6 +109,25 @@ def test_to_wire_leaves_out_optional_fields_at_their_default():
     assert M.decode(M.SCHEDULER_TO_CLIENT, M.to_wire(sent)) == sent
 
 
+def test_a_struct_from_a_peer_of_this_process_is_taken_as_it_is():
+    """An in-process comm hands over the very object written: a worker of this process
+    gets the scheduler's compute-task struct, nothing converted; elsewhere, the map."""
+    from shoal.protocol import SAME_HOST, SAME_PROCESS, Serialize, unwrap
+
+    task = M.ComputeTaskMsg("k", Serialize(["a value"]), {"d": ["w"]}, {"d": 8}, [0])
+    assert M.for_destination(task, SAME_PROCESS) is task
+    assert M.for_destination(task, SAME_HOST) == M.to_wire(task)
+    # a worker deserializes: the value comes out of its wrapper, the sender's struct is left
+    got = unwrap(task)
+    assert got.payload == ["a value"] and got.who_has == {"d": ["w"]} and type(task.payload) is Serialize
+    assert M.decode(M.SCHEDULER_TO_WORKER, got) is got
+    plain = M.FreeKeysMsg(["k"])
+    assert unwrap(plain) is plain  # nothing to unwrap: the same object
+    # a struct of another table is as wrong as a map with its op would be
+    with pytest.raises(ProtocolError, match="expected a message"):
+        M.decode(M.WORKER_TO_SCHEDULER, task)
+
+
 def test_every_table_s_structs_have_the_tags_they_are_filed_under():
     tables = [M.HANDSHAKE, M.CONTROL, M.WORKER_TO_SCHEDULER, M.SCHEDULER_TO_WORKER, M.CLIENT_TO_SCHEDULER,
               M.SCHEDULER_TO_CLIENT, M.SCHEDULER_REQUESTS, M.WORKER_REQUESTS]
