@@ -4,6 +4,7 @@
     python bench/sim.py --graphs tree,chain --workers 10,1000 --tasks 100000
     python bench/sim.py --quick                          # small sizes (what the tests run)
     python bench/sim.py --memory                         # also bytes per task after submit
+    python bench/sim.py --gc python                      # Python's collector thresholds for both
 
 Both systems' scheduler states are driven the same way: one graph is submitted to a
 cluster of virtual workers (1 thread each), then every task the scheduler sends to a
@@ -15,6 +16,10 @@ tasks that ran on a worker which did not hold them when the task was sent there.
 
 The dask side (``bench/sim_dask.py``) drives ``distributed.scheduler.SchedulerState`` the
 way its scheduler does; its default root-task queuing is on.
+
+Each run is a process of its own, with the cyclic collector's thresholds its system's
+scheduler process sets (``--gc server``, the default: shoal's :mod:`shoal.gcpolicy`,
+the tripled thresholds of ``dask scheduler``), or Python's own (``--gc python``).
 """
 
 from __future__ import annotations
@@ -278,13 +283,31 @@ SYSTEMS: dict[str, Callable[..., Result]] = {"shoal": run_shoal, "dask": _run_da
 # ------------------------------------------------------------------------------- CLI
 
 
-def _one(system: str, graph: str, size: int, workers: int, memory: bool, validate_every: int) -> dict[str, Any]:
-    """One run in this process (``--child``)."""
+def _collector_as_deployed(system: str) -> None:
+    """The cyclic collector's thresholds of ``system``'s scheduler process: shoal's
+    server holds :mod:`shoal.gcpolicy` (the young generation after 10,000 allocations),
+    ``dask scheduler`` triples Python's three thresholds."""
+    if system == "shoal":
+        from shoal import gcpolicy
+
+        gcpolicy.hold()  # (this child process ends with the run)
+    elif system == "dask":
+        g0, g1, g2 = gc.get_threshold()
+        gc.set_threshold(g0 * 3, g1 * 3, g2 * 3)
+
+
+def _one(system: str, graph: str, size: int, workers: int, memory: bool, validate_every: int,
+         collector: str = "server") -> dict[str, Any]:
+    """One run in this process (``--child``); ``collector`` "server" sets the collector
+    as the system's scheduler process does, "python" leaves Python's defaults."""
+    if collector == "server":
+        _collector_as_deployed(system)
     g = make_graph(graph, size)
     try:
         res = SYSTEMS[system](g, workers, validate_every=validate_every, memory=memory)
     except Exception as exc:  # noqa: BLE001 - reported in the table
         res = Result(system, graph, workers, len(g.keys), g.edges, error=f"{type(exc).__name__}: {exc}")
+    res.extra["collector"] = collector
     return res.row()
 
 
@@ -313,14 +336,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="400 tasks, 3 and 20 workers (unless --workers), validate() every 50 events")
     p.add_argument("--memory", action="store_true", help="measure bytes per task after submit (tracemalloc)")
     p.add_argument("--validate-every", type=int, default=0)
+    p.add_argument("--gc", choices=("server", "python"), default="server",
+                   help="the cyclic collector's thresholds: as each system's scheduler process sets them "
+                        "(default), or Python's own")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", default="")
-    p.add_argument("--child", nargs=6, metavar=("SYSTEM", "GRAPH", "SIZE", "WORKERS", "MEMORY", "VALIDATE"),
+    p.add_argument("--child", nargs=7, metavar=("SYSTEM", "GRAPH", "SIZE", "WORKERS", "MEMORY", "VALIDATE", "GC"),
                    help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        system, graph, size, workers, mem, val = a.child
-        row = _one(system, graph, int(size), int(workers), mem == "1", int(val))
+        system, graph, size, workers, mem, val, collector = a.child
+        row = _one(system, graph, int(size), int(workers), mem == "1", int(val), collector)
         print("@@SIM@@ " + json.dumps(row), flush=True)
         return 0
     if a.quick:
@@ -333,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             for workers in map(int, a.workers.split(",")):
                 for system in a.systems.split(","):
                     row = _in_child([system, graph, str(size), str(workers), "1" if a.memory else "0",
-                                     str(a.validate_every)], a.timeout)
+                                     str(a.validate_every), a.gc], a.timeout)
                     row.setdefault("system", system)
                     row.update(graph_arg=graph, size_arg=size, workers_arg=workers)
                     rows.append(row)
