@@ -89,7 +89,7 @@ class TaskTransitions:
         :data:`_EDGES` (else :class:`InvalidTransition`, and nothing changes), and it is
         logged with the stimulus that caused it."""
         start = ts.state
-        if (start, finish) not in _EDGES:
+        if finish not in _EDGES_FROM[start]:
             raise InvalidTransition(f"{ts.key!r}: {start} -> {finish} is not allowed")
         ts.state = finish
         self.log.transitions.append((ts.key, start, finish, self._stimulus))
@@ -266,7 +266,8 @@ class TaskTransitions:
         elif start == "queued":
             self._dequeue(ts)
         elif start == "memory":
-            for ws in sorted(ts.who_has, key=lambda w: w.address):
+            holders = ts.who_has
+            for ws in holders if len(holders) < 2 else sorted(holders, key=lambda w: w.address):
                 ws.has_what.discard(ts)
                 ws.nbytes -= max(ts.nbytes, 0)
                 self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
@@ -476,6 +477,12 @@ _EDGES: frozenset[tuple[TState, TState]] = frozenset({
     ("memory", "released"),
     ("erred", "released"),
 })
+
+#: the same, by the state they leave (looked up on every change of state)
+_EDGES_FROM: dict[str, frozenset[str]] = {
+    state: frozenset(f for s, f in _EDGES if s == state)
+    for state in ("released", "waiting", "queued", "processing", "memory", "erred", "forgotten")
+}
 
 _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
     ("released", "waiting"): TaskTransitions._released_waiting,
