@@ -701,8 +701,7 @@ def _check_segments(msg: Msg, where: str, op: str) -> None:
             continue  # (most messages: no segment)
         try:
             if many:
-                if value is not None:
-                    setattr(msg, name, {k: segment_info(v) for k, v in value.items()})
+                setattr(msg, name, {k: segment_info(v) for k, v in value.items()})
             else:
                 setattr(msg, name, segment_info(value))
         except ProtocolError as exc:

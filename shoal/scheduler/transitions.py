@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from ..protocol.messages import KeyInMemoryMsg, LostKeyMsg, TaskErredMsg, to_wire
 from ..statelog import InvalidTransition, StateLog
@@ -480,8 +480,7 @@ _EDGES: frozenset[tuple[TState, TState]] = frozenset({
 
 #: the same, by the state they leave (looked up on every change of state)
 _EDGES_FROM: dict[str, frozenset[str]] = {
-    state: frozenset(f for s, f in _EDGES if s == state)
-    for state in ("released", "waiting", "queued", "processing", "memory", "erred", "forgotten")
+    state: frozenset(f for s, f in _EDGES if s == state) for state in get_args(TState)
 }
 
 _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
