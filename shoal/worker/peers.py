@@ -169,7 +169,9 @@ class PeerData:
         coming = {k for k in keys if k not in store and (t := tasks.get(k)) is not None and t.state in _COMING}
         # a worker of this host asks for what this worker has not heard of: the
         # scheduler may have named it the host's fetcher, its own task still on the way
-        unheard = {k for k in keys if k not in store and k not in tasks} if host_fetch else set()
+        # (one it forgot lately is not coming: the asker's holders are out of date)
+        released = self.state.released
+        unheard = {k for k in keys if k not in store and k not in tasks and k not in released} if host_fetch else set()
         if coming or unheard:
             return self._get_data_once_fetched(comm, keys, coming | unheard, unheard)
         return self._serve(comm, keys)

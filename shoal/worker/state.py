@@ -147,6 +147,10 @@ class WorkerState(Fetching):
         self.slots = nthreads + queued
         self.data: MutableMapping[Key, Any] = {} if data is None else data
         self.tasks: dict[Key, WTask] = {}
+        #: the last RELEASED_KEYS keys this worker forgot, oldest first: a peer of its
+        #: host asking for one of them has an old ``who_has`` and is answered at once
+        #: (a key it never heard of may be one it is about to fetch: that request waits)
+        self.released: dict[Key, None] = {}
         #: ready tasks that need no resources, and those that do: heaps of
         #: ``(priority, seq, task)`` (compared in C: ``seq`` is unique)
         self.ready: list[tuple[tuple[int, ...], int, WTask]] = []
@@ -574,6 +578,11 @@ class WorkerState(Fetching):
         ts.payload = None
         if self.tasks.get(ts.key) is ts:
             del self.tasks[ts.key]
+            released = self.released
+            released.pop(ts.key, None)
+            released[ts.key] = None
+            if len(released) > RELEASED_KEYS:
+                del released[next(iter(released))]
         for dts in ts.dependents:
             # only tasks that have their inputs already (executing) can be left
             dts.dependencies.discard(ts)
@@ -740,3 +749,6 @@ def _dependents_first(tasks: set[WTask]) -> list[WTask]:
 #: peers whose failures are counted at most (peers that left are never heard of again)
 _MAX_FAILING_PEERS = 1024
 
+
+#: keys a worker remembers having forgotten (:attr:`WorkerState.released`)
+RELEASED_KEYS = 10_000

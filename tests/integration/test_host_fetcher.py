@@ -152,3 +152,21 @@ def test_a_request_that_is_no_host_fetch_is_answered_at_once() -> None:
         (worker,) = cluster.workers.values()
         assert ask(worker.address, "nobody", host_fetch=False) == {"status": "OK", "result": {"data": {}}}
         assert not worker._awaited
+
+
+def test_a_value_it_forgot_is_answered_without_at_once() -> None:
+    # a peer of its host whose holders are out of date asks for a value this worker
+    # has released: nothing is coming, so no grace (an hour here: the test's timeout
+    # would end a wait first)
+    with config.set(host_fetch_grace=3600, host_fetch_wait=3600), \
+            shoal.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \
+            shoal.Client(cluster) as c:
+        (worker,) = cluster.workers.values()
+        assert worker.state is not None
+        f = c.submit(sum, [1, 2], key="forgotten")
+        assert f.result(timeout=30) == 3
+        del f
+        wait_for(lambda: "forgotten" not in worker.state.tasks, 10, "the worker to release it")
+        assert "forgotten" in worker.state.released
+        assert ask(worker.address, "forgotten") == {"status": "OK", "result": {"data": {}}}
+        assert not worker._awaited

@@ -790,3 +790,20 @@ TestWorkerMachine.settings = TestBoundedTransfersMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def test_the_keys_a_worker_forgot_are_remembered_up_to_a_bound(monkeypatch) -> None:
+    """What a worker released it remembers, the most recent last, at most RELEASED_KEYS
+    of them: a same-host peer asking for one is answered at once."""
+    from shoal.worker import state as wstate
+
+    monkeypatch.setattr(wstate, "RELEASED_KEYS", 3)
+    ws = wstate.WorkerState(nthreads=1, address="tcp://w:1")
+    for i in range(5):
+        key = f"k{i}"
+        ws.handle(wstate.ComputeTaskEvent(f"c{i}", key, b"p", {}, {}, (i,)))
+        ws.handle(wstate.ExecuteSuccessEvent(f"s{i}", key, i, 28, 0.001))
+        ws.handle(wstate.FreeKeysEvent(f"f{i}", [key]))
+        assert key not in ws.tasks
+    assert list(ws.released) == ["k2", "k3", "k4"]
+    ws.validate()
