@@ -10,7 +10,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn
 
-__all__ = ["Signals", "CLOSE_TIMEOUT", "closing"]
+__all__ = ["Signals", "CLOSE_TIMEOUT", "closing", "leaving"]
 
 
 #: how long a closing scheduler or worker may take to say goodbye to its peers before
@@ -110,6 +110,16 @@ class Signals:
             return True
         self._stop = None
         return False
+
+
+def leaving() -> None:
+    """The process has removed what it owns and only the interpreter's exit is left: a
+    SIGINT or SIGTERM from now on is ignored. CPython puts back the default action of
+    every signal it handled when it finalizes, and a second signal that came then (a
+    few milliseconds after the first, while modules are torn down) would kill a process
+    that stopped as it was asked, exit code -2 or -15 instead of 0."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _exit_now(why: str, cleanups: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> NoReturn:

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from ._signals import CLOSE_TIMEOUT, Signals as _Signals, closing as _closing
+from ._signals import CLOSE_TIMEOUT, Signals as _Signals, closing as _closing, leaving as _leaving
 
 __all__ = ["main", "CLOSE_TIMEOUT"]
 
@@ -133,6 +133,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         # what it kept in shared memory (clients' task arguments, its pool) goes now,
         # not at interpreter exit
         shm.unlink_all()
+        _leaving()
     return 0
 
 
@@ -281,6 +282,7 @@ def _worker_group(args: argparse.Namespace) -> int:
         name = ["--name", f"{args.name}-{i}"] if args.name else []
         children.append(subprocess.Popen([*argv, *name], stdin=subprocess.DEVNULL, process_group=0))
     codes = [child.wait() for child in children]  # (a signal's handler runs meanwhile)
+    _leaving()
     return 0 if all(c == 0 for c in codes) else 1
 
 
@@ -354,6 +356,8 @@ def _nannies(args: argparse.Namespace) -> int:
     except OSError as exc:  # a taken port, a local directory that cannot be made
         _say(f"{type(exc).__name__}: {exc}")
         return 1
+    finally:
+        _leaving()
     return 0 if signals.received or all(c == 0 for c in codes) else 1
 
 

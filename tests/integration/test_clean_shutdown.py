@@ -25,7 +25,7 @@ import pytest
 import shoal
 from shoal.comm import shm
 from shoal.testing import wait_for
-from shoal_helpers import start_scheduler, start_worker
+from shoal_helpers import free_port, start_scheduler, start_shoal, start_worker
 
 #: how long a process may take to exit once signalled (a clean exit takes well under a
 #: second: a stuck task must not hold it up)
@@ -241,3 +241,50 @@ def test_local_cluster_process_leaves_nothing(processes, tmp_path, how):
         assert shm.process_gone(pid)
     for pid in [script.pid, *workers]:
         assert not shm.segments_of(pid), (pid, shm.segments_of(pid), err)
+
+
+#: installed (by PYTHONPATH) in the processes of the test below: at the interpreter's
+#: exit, after ``main`` returned and just before CPython puts back the default action of
+#: the signals it handled, a process writes what a SIGINT and a SIGTERM would do to it
+_RECORD_AT_EXIT = """
+import atexit, json, os, signal
+
+def _record():
+    names = {signal.SIG_IGN: "ignore", signal.SIG_DFL: "default"}
+    found = {s.name: names.get(signal.getsignal(s), "handler") for s in (signal.SIGINT, signal.SIGTERM)}
+    with open(os.path.join(os.environ["SHOAL_TEST_AT_EXIT"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(found, f)
+
+atexit.register(_record)
+"""
+
+
+@pytest.mark.parametrize("command", ["scheduler", "worker", "worker-group"])
+def test_a_late_second_signal_cannot_kill_a_process_that_has_cleaned_up(processes, tmp_path, command):
+    """A process that closed on SIGTERM and removed what it owns ignores the signals
+    that come while the interpreter finalizes: CPython restores their default action
+    then, and a second signal a few milliseconds after the first would kill the process
+    (exit code -2 rather than the 0 of a process that stopped as it was asked). Checked
+    where it matters, at the interpreter's exit: the ``worker`` is its nanny's process
+    and ``worker-group`` the parent of ``--nworkers 2 --no-nanny`` (a worker process
+    itself leaves by ``os._exit``, with no finalization)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_RECORD_AT_EXIT)
+    records = tmp_path / "records"
+    records.mkdir()
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]),
+           "SHOAL_TEST_AT_EXIT": str(records)}
+    if command == "scheduler":
+        proc = start_shoal(processes, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), env=env)
+        assert proc.stdout.readline().startswith("shoal scheduler at "), proc.poll()
+    else:
+        _, address = start_scheduler(processes)
+        extra = ["--nworkers", "2", "--no-nanny"] if command == "worker-group" else []
+        proc = start_shoal(processes, "worker", address, *extra, env=env)
+        for _ in range(2 if extra else 1):
+            assert proc.stdout.readline().startswith("shoal worker at "), proc.poll()
+    returncode = _signal_and_wait(proc, [signal.SIGTERM])
+    assert returncode == 0, proc.stderr.read()
+    recorded = json.loads((records / f"{proc.pid}.json").read_text())
+    assert recorded == {"SIGINT": "ignore", "SIGTERM": "ignore"}, recorded
