@@ -387,6 +387,28 @@ def test_a_graph_too_big_for_dask_order_goes_depth_first(monkeypatch):
     assert pos[("sum3", 0)] < 15 or pos[("sum3", 1)] < 15
 
 
+def test_a_converted_graph_is_left_to_the_oldest_generation_of_the_collector():
+    """The objects a graph's conversion made (with the collector off) are not left in
+    the young generations, whose next passes would walk every one of them to promote
+    them; they stay collectible by a full pass."""
+    import gc
+    from operator import add
+
+    from shoal.client import graphs
+
+    dsk: dict[Any, Any] = {"x0": 0}
+    for i in range(1, 3000):
+        dsk[f"x{i}"] = (add, f"x{i - 1}", 1)
+    assert gc.isenabled()
+    gc.collect()  # (the young generations' counts start at 0: their next pass is one of the youngest)
+    tasks, _ = graphs.graph_to_tasks(dsk, ["x2999"])
+    made = {id(t) for t in tasks} | {id(t["payload"]) for t in tasks}
+    young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation=generation)}
+    assert not made & young
+    assert made <= {id(o) for o in gc.get_objects(generation=2)}
+    assert gc.get_freeze_count() == 0
+
+
 def test_depth_first_order_stops_at_a_cycle():
     from shoal.client import graphs
 
