@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import GraphError
 from ..protocol import to_serialize
+from ..protocol.serialize import sizeof
 from ..taskspec import Ref, RunSpec, Task
 
 __all__ = ["graph_to_tasks", "pack", "flatten_keys", "split_graph", "GRAPH_CHUNK"]
@@ -37,9 +38,64 @@ def pack(keys: Any, values: dict[Any, Any]) -> Any:
     return values[keys]
 
 
-def _run_node(node: Any, values: dict[Any, Any]) -> Any:
-    return node(values)
+def _run_node(node: "Node", values: dict[Any, Any]) -> Any:
+    return node.node(values)
 
+
+class Node:
+    """A node of a dask graph (``dask._task_spec``), as the argument of its task.
+
+    Its ``nbytes`` is the bytes of the data it carries (its constants, and the values
+    of its data nodes), found by a walk of its own: the size of a task's arguments is
+    asked for every task that runs (it decides whether a payload is serialized off the
+    event loop, and counts what a worker was sent), and dask's own ``sizeof`` of a
+    node measures each of its parts through its dispatch (49 us on the event loop for
+    a fused task of a dask array's sum: a sixth of all the loop did for it)."""
+
+    __slots__ = ("node", "_nbytes")
+
+    def __init__(self, node: Any):
+        self.node = node
+        self._nbytes: int | None = None
+
+    def __reduce__(self) -> Any:
+        return (Node, (self.node,))
+
+    def __repr__(self) -> str:
+        return f"Node({self.node!r})"
+
+    @property
+    def nbytes(self) -> int:
+        if self._nbytes is None:
+            self._nbytes = _carried_bytes(self.node)
+        return self._nbytes
+
+
+def _carried_bytes(node: Any) -> int:
+    """Bytes of the constants in dask graph node ``node`` (without recursion)."""
+    from dask._task_spec import Alias, DataNode, Task, TaskRef
+
+    total = 0
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        typ = type(x)
+        if typ is tuple or typ is list:
+            stack.extend(x)
+        elif typ is str or typ is bytes:
+            total += len(x)  # (keys, mostly)
+        elif typ is int or typ is float or typ is bool or x is None:
+            pass
+        elif typ is dict:
+            stack.extend(x.values())
+        elif isinstance(x, Task):
+            stack.extend(x.args)
+            stack.extend(x.kwargs.values())
+        elif isinstance(x, DataNode):
+            stack.append(x.value)
+        elif not isinstance(x, (TaskRef, Alias)):
+            total += sizeof(x)
+    return total
 
 
 def _identity(x: Any) -> Any:
@@ -98,7 +154,7 @@ def _to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
         # a dependency outside the graph may be a key on the cluster already (a
         # persisted collection's); the scheduler refuses the graph if it is not
         deps = list(node.dependencies)
-        payload = RunSpec(_run_node, (node, {d: Ref(d) for d in deps}))
+        payload = RunSpec(_run_node, (Node(node), {d: Ref(d) for d in deps}))
         tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
     _order_tasks(tasks, nodes, wanted)
     # keys the converter dropped (aliases of themselves) are still wanted

@@ -459,3 +459,29 @@ def test_wanted_keys_no_part_defines_go_with_the_last_part():
     tasks = [{"key": f"x{i}", "deps": ["on-cluster"] if i == 0 else []} for i in range(6)]
     parts, held = graphs.split_graph(tasks, ["x1", "on-cluster", "x5"], size=2)
     assert [w for _, w in parts] == [["x1"], [], ["x5", "on-cluster"]] and held == []
+
+
+def test_a_dask_tasks_payload_is_sized_by_the_data_it_carries():
+    """A dask graph's task says the bytes of the constants it carries (an array in the
+    graph counts in full; a fused chain of small steps, little), without dask's own
+    sizeof of each part, and runs as the node it wraps."""
+    import dask.array as da
+    import numpy as np
+
+    from shoal.client import graphs
+
+    inner = np.arange(250_000, dtype=np.float64)
+    y = (da.from_array(inner, chunks=125_000) + 1).sum()
+    tasks, keys = graphs.graph_to_tasks(y, graphs.flatten_keys(y.__dask_keys__(), []))
+    sizes = [t["payload"].data.nbytes for t in tasks]
+    assert max(sizes) >= inner.nbytes // 2  # the chunks of the array are in the graph
+    small = (da.ones(8, chunks=1) + 1).sum()
+    small_key = graphs.flatten_keys(small.__dask_keys__(), [])[0]
+    small_tasks, _ = graphs.graph_to_tasks(small, [small_key])
+    assert all(t["payload"].data.nbytes < 10_000 for t in small_tasks)
+    # each payload runs its node: the graph's result, computed task by task
+    values: dict[Any, Any] = {}
+    for t in small_tasks:
+        spec = t["payload"].data
+        values[t["key"]] = spec.func(spec.args[0], {d: values[d] for d in t["deps"]})
+    assert values[small_key] == 16
