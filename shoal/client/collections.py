@@ -6,6 +6,7 @@ lowered by dask on the client, as ``dask.compute`` does, then submitted as one g
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from . import graphs
@@ -28,6 +29,9 @@ class DaskCollections:
 
     # provided by the client
     def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _submit_parts(self, parts: Iterable[tuple[list[dict[str, Any]], list[Any], list[Any]]]) -> None:
         raise NotImplementedError
 
     def _sync(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,11 +70,18 @@ class DaskCollections:
             keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
             if len(keys) != 1:
                 raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-            graph_tasks, _ = graphs.graph_to_tasks(expr, keys)
-            apply_annotations(graph_tasks, _annotations(expr), options)
-            tasks.extend(graph_tasks)
-            wanted.append(keys[0])
-            out.append(Future(keys[0], self._client))
+            graph = graphs.prepare(expr, keys)
+            parts = graph.parts() if len(colls) == 1 else None
+            future = Future(keys[0], self._client)
+            if parts is not None:
+                # a big graph: its first part runs while the client makes the rest
+                self._submit_parts(_annotated(parts, _annotations(expr), options))
+            else:
+                graph_tasks = graph.tasks()
+                apply_annotations(graph_tasks, _annotations(expr), options)
+                tasks.extend(graph_tasks)
+                wanted.append(keys[0])
+            out.append(future)
         if tasks:
             self._submit_tasks(tasks, wanted)
         if sync:
@@ -135,6 +146,16 @@ class DaskCollections:
                 f.release()
         by_key = dict(zip(flat_keys, values))
         return graphs.pack(keys, by_key)
+
+
+def _annotated(parts: Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]],
+               per_key: dict[str, dict[Any, Any]], options: TaskOptions
+               ) -> Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]]:
+    """``parts`` of a graph, each with the options of its tasks set (as
+    :func:`.options.apply_annotations` sets them)."""
+    for tasks, wanted, held in parts:
+        apply_annotations(tasks, per_key, options)
+        yield tasks, wanted, held
 
 
 def _annotations(graph: Any) -> dict[str, dict[Any, Any]]:

@@ -11,7 +11,7 @@ here.
 from __future__ import annotations
 
 import gc
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from ..errors import GraphError
@@ -19,7 +19,7 @@ from ..protocol import to_serialize
 from ..protocol.serialize import sizeof
 from ..taskspec import Ref, RunSpec, Task
 
-__all__ = ["graph_to_tasks", "pack", "flatten_keys", "split_graph", "GRAPH_CHUNK"]
+__all__ = ["graph_to_tasks", "prepare", "Graph", "pack", "flatten_keys", "split_graph", "GRAPH_CHUNK"]
 
 
 def flatten_keys(keys: Any, out: list[Any]) -> list[Any]:
@@ -111,57 +111,127 @@ def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]
     for a ``dsk`` that is neither, ``KeyError`` for a wanted key not in the graph and
     :class:`GraphError` for a reference to a key the graph does not define.
     """
-    if not gc.isenabled():
-        return _to_tasks(dsk, keys)
-    # a graph (a big one above all) makes objects by the thousand, all of them kept
-    # until it is sent: the cyclic collector's passes over them would free nothing
-    gc.disable()
-    try:
-        return _to_tasks(dsk, keys)
-    finally:
-        # what was made meanwhile is still in the youngest generation: the next two
-        # passes would each walk all of it (1.0 and 1.7 s, the second on the event
-        # loop's thread, for a graph of 444,450 tasks) only to promote it; it goes to
-        # the oldest at once instead (freezing moves every object to the permanent
-        # generation, unfreezing moves them all on to the oldest), where a full pass
-        # still collects any cycle among them
-        gc.freeze()
-        gc.unfreeze()
-        gc.enable()
+    graph = prepare(dsk, keys)
+    return graph.tasks(), graph.wanted
 
 
-def _to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]]:
-    if hasattr(dsk, "__dask_graph__"):
-        dsk = dsk.__dask_graph__()
-    if not isinstance(dsk, Mapping):
-        raise TypeError(f"a graph is a mapping of keys to tasks, got {type(dsk).__name__}")
-    dsk = dict(dsk)
-    wanted = flatten_keys(keys, [])
-    for k in wanted:
+class _collector_off:
+    """The cyclic collector off for a block that makes a graph's objects (by the
+    thousand, all of them kept until they are sent: its passes would free nothing)."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.was:
+            # what was made meanwhile is still in the youngest generation: the next two
+            # passes would each walk all of it (1.0 and 1.7 s, the second on the event
+            # loop's thread, for a graph of 444,450 tasks) only to promote it; it goes to
+            # the oldest at once instead (freezing moves every object to the permanent
+            # generation, unfreezing moves them all on to the oldest), where a full pass
+            # still collects any cycle among them
+            gc.freeze()
+            gc.unfreeze()
+            gc.enable()
+
+
+def prepare(dsk: Any, keys: Any) -> "Graph":
+    """``dsk`` (see :func:`graph_to_tasks`) materialized and checked, ready to be made
+    into tasks: all at once (:meth:`Graph.tasks`) or, a big graph, part by part as they
+    are sent (:meth:`Graph.parts`). Raises what :func:`graph_to_tasks` raises."""
+    with _collector_off():
+        return Graph(dsk, keys)
+
+
+class Graph:
+    """A dask graph's nodes, checked (see :func:`prepare`)."""
+
+    def __init__(self, dsk: Any, keys: Any):
+        if hasattr(dsk, "__dask_graph__"):
+            dsk = dsk.__dask_graph__()
+        if not isinstance(dsk, Mapping):
+            raise TypeError(f"a graph is a mapping of keys to tasks, got {type(dsk).__name__}")
+        dsk = dict(dsk)
+        self.wanted: list[Any] = flatten_keys(keys, [])
+        for k in self.wanted:
+            try:
+                if k not in dsk:
+                    raise KeyError(f"key {k!r} is not in the graph")
+            except TypeError:
+                raise KeyError(f"key {k!r} is not a valid key") from None
+        self._legacy: dict[Hashable, Any] | None = None
+        self.nodes: dict[Any, Any] = {}
         try:
-            if k not in dsk:
-                raise KeyError(f"key {k!r} is not in the graph")
-        except TypeError:
-            raise KeyError(f"key {k!r} is not a valid key") from None
-    try:
-        from dask._task_spec import convert_legacy_graph
-    except ImportError:
-        return _convert_legacy(dsk), wanted
-    external = {v.key for v in dsk.values() if getattr(v, "__dask_future__", False)}
-    nodes = convert_legacy_graph(dsk)
-    tasks = []
-    for key, node in nodes.items():
-        # a dependency outside the graph may be a key on the cluster already (a
-        # persisted collection's); the scheduler refuses the graph if it is not
+            from dask._task_spec import convert_legacy_graph
+        except ImportError:
+            self._legacy = dsk
+            return
+        external = {v.key for v in dsk.values() if getattr(v, "__dask_future__", False)}
+        self.nodes = convert_legacy_graph(dsk)
+        # keys the converter dropped (aliases of themselves) are still wanted
+        for k in self.wanted:
+            if k not in self.nodes and k not in external and k not in dsk:
+                raise GraphError(f"key {k!r} does not name a task")
+
+    def __len__(self) -> int:
+        return len(self._legacy) if self._legacy is not None else len(self.nodes)
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """Every task, in the order to run them."""
+        with _collector_off():
+            if self._legacy is not None:
+                return _convert_legacy(self._legacy)
+            tasks = [_task_of(key, node) for key, node in self.nodes.items()]
+            _order_tasks(tasks, self.nodes, self.wanted)
+            return tasks
+
+    def parts(self, size: int | None = None
+              ) -> Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]] | None:
+        """A graph of more than :data:`DASK_ORDER_MAX` tasks as the ``update-graph`` messages
+        :func:`split_graph` would cut it into, each ``(tasks, wanted, held)`` made when
+        it is asked for: the first goes to the scheduler, and starts running, while
+        the client makes the others. The order is depth first (each task after its
+        inputs), so a part may end after any task. None for a smaller graph, a graph
+        with a cycle (sent whole: the scheduler refuses it) or without dask."""
+        if self._legacy is not None or len(self.nodes) <= DASK_ORDER_MAX:
+            return None
+        with _collector_off():
+            deps = {key: list(node.dependencies) for key, node in self.nodes.items()}
+            order, cyclic = _depth_first(deps, self.wanted)
+            if cyclic:
+                return None
+            last: dict[Any, int] = {}  # key -> the position of its last dependent
+            for i, key in enumerate(order):
+                for d in deps[key]:
+                    last[d] = i
+        return self._make_parts(order, deps, last, GRAPH_CHUNK if size is None else size)
+
+    def _make_parts(self, order: list[Any], deps: dict[Any, list[Any]], last: dict[Any, int], size: int
+                    ) -> Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]]:
+        nodes = self.nodes
+        want = set(self.wanted)
+        placed: set[Any] = set()
+        for begin in range(0, len(order), size):
+            end = min(begin + size, len(order))
+            keys = order[begin:end]
+            with _collector_off():  # (a full pass over the graph would come every few parts)
+                part = [_task_of(key, nodes[key], deps[key]) for key in keys]
+            held = [k for k in keys if last.get(k, -1) >= end and k not in want]
+            wanted = [k for k in keys if k in want]
+            placed.update(wanted)
+            if end == len(order):  # wanted keys no part defines (on the cluster already)
+                wanted += [k for k in self.wanted if k not in placed]
+            yield part, wanted + held, held
+
+
+def _task_of(key: Any, node: Any, deps: list[Any] | None = None) -> dict[str, Any]:
+    # a dependency outside the graph may be a key on the cluster already (a
+    # persisted collection's); the scheduler refuses the graph if it is not
+    if deps is None:
         deps = list(node.dependencies)
-        payload = RunSpec(_run_node, (Node(node), {d: Ref(d) for d in deps}))
-        tasks.append({"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0})
-    _order_tasks(tasks, nodes, wanted)
-    # keys the converter dropped (aliases of themselves) are still wanted
-    for k in wanted:
-        if k not in nodes and k not in external and k not in dsk:
-            raise GraphError(f"key {k!r} does not name a task")
-    return tasks, wanted
+    payload = RunSpec(_run_node, (Node(node), {d: Ref(d) for d in deps}))
+    return {"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0}
 
 
 #: graphs of more tasks than this are ordered depth first here, not by ``dask.order``
@@ -176,8 +246,9 @@ def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any], wanted: 
     more than :data:`DASK_ORDER_MAX` tasks is put in depth-first order from the wanted
     keys instead, in time linear in its size: the same for trees and chains."""
     if len(tasks) > DASK_ORDER_MAX:
-        rank = _depth_first(tasks, wanted)
-        tasks.sort(key=lambda t: rank.get(t["key"], 0))
+        walked, _ = _depth_first({t["key"]: t["deps"] for t in tasks}, wanted)
+        position = {k: i for i, k in enumerate(walked)}
+        tasks.sort(key=lambda t: position[t["key"]])
         return
     try:
         from dask.order import order
@@ -190,22 +261,29 @@ def _order_tasks(tasks: list[dict[str, Any]], nodes: Mapping[Any, Any], wanted: 
     tasks.sort(key=lambda t: rank.get(t["key"], 0))
 
 
-def _depth_first(tasks: list[dict[str, Any]], wanted: list[Any]) -> dict[Any, int]:
-    """key -> rank: each task right after its inputs, the inputs of each wanted key
-    (then of each task nobody wants, in the given order) walked first, without
-    recursion."""
-    deps = {t["key"]: t["deps"] for t in tasks}
-    rank: dict[Any, int] = {}
-    walking: set[Any] = set()  # on the stack (met again: a cycle, which the scheduler refuses)
+def _depth_first(deps: dict[Any, list[Any]], wanted: list[Any]) -> tuple[list[Any], bool]:
+    """The keys of ``deps`` (key -> its inputs) each right after its inputs, the inputs
+    of each wanted key (then of each key nobody wants, in the given order) walked
+    first, without recursion; and whether a cycle was met (its keys are then in some
+    order: the scheduler refuses the graph)."""
+    order: list[Any] = []
+    done: set[Any] = set()
+    walking: set[Any] = set()  # on the stack
+    cyclic = False
     for root in [*wanted, *deps]:
-        if root in rank or root not in deps:
+        if root in done or root not in deps:
             continue
         stack: list[tuple[Any, int]] = [(root, 0)]
         walking.add(root)
         while stack:
             key, i = stack[-1]
             inputs = deps[key]
-            while i < len(inputs) and (inputs[i] in rank or inputs[i] in walking or inputs[i] not in deps):
+            while i < len(inputs):
+                d = inputs[i]
+                if d in walking:
+                    cyclic = True
+                elif d not in done and d in deps:
+                    break
                 i += 1  # done already, or a key outside the graph
             if i < len(inputs):
                 stack[-1] = (key, i + 1)
@@ -214,8 +292,9 @@ def _depth_first(tasks: list[dict[str, Any]], wanted: list[Any]) -> dict[Any, in
                 continue
             stack.pop()
             walking.discard(key)
-            rank[key] = len(rank)
-    return rank
+            done.add(key)
+            order.append(key)
+    return order, cyclic
 
 
 def _is_task(v: Any) -> bool:

@@ -182,26 +182,44 @@ class Submitting:
     def _submit_tasks(self, tasks: list[dict[str, Any]], wanted: list[Any]) -> None:
         """Send ``tasks`` to the scheduler (one ``update-graph``, or a big graph's
         parts), ``wanted`` being the keys this client holds futures for."""
+        self._check_running()
+        parts, held = graphs.split_graph(tasks, wanted)
+        self._send_parts(((part, part_wanted, []) for part, part_wanted in parts), held)
+
+    def _submit_parts(self, parts: Iterable[tuple[list[dict[str, Any]], list[Any], list[Any]]]) -> None:
+        """Send a big graph's parts (:meth:`.graphs.Graph.parts`: ``(tasks, wanted,
+        held)`` each) as they are made."""
+        self._check_running()
+        self._send_parts(parts, [])
+
+    def _check_running(self) -> None:
         c = self._self
         if c.status == "disconnected":
             raise RuntimeError(f"the client lost its connection to the scheduler at {c.scheduler_address}")
         if c.status != "running":
             raise RuntimeError(f"the client is {c.status}")
-        if c._hand_over:
-            for t in tasks:
-                spec = t.get("payload")
-                spec = spec.data if isinstance(spec, Serialize) else spec
-                if isinstance(spec, RunSpec):
-                    spec.handoff = True
-        parts, held = graphs.split_graph(tasks, wanted)
-        for part, part_wanted in parts:
-            c._enqueue({"op": "update-graph", "tasks": part, "wanted": part_wanted})
-        if held:
-            # the parts are sent: the dependents of these keys are known to the
-            # scheduler now, so it keeps their values as long as they are needed
-            with c._lock:
-                held = [k for k in held if c._refcount.get(k, 0) == 0]
-            c._enqueue({"op": "release-keys", "keys": held}, lazy=True)
+
+    def _send_parts(self, parts: Iterable[tuple[list[dict[str, Any]], list[Any], list[Any]]],
+                    held: list[Any]) -> None:
+        c = self._self
+        try:
+            for part, part_wanted, part_held in parts:
+                if c._hand_over:
+                    for t in part:
+                        spec = t.get("payload")
+                        spec = spec.data if isinstance(spec, Serialize) else spec
+                        if isinstance(spec, RunSpec):
+                            spec.handoff = True
+                c._enqueue({"op": "update-graph", "tasks": part, "wanted": part_wanted})
+                held.extend(part_held)
+        finally:
+            if held:
+                # the parts are sent (or a part could not be made: the scheduler keeps
+                # nothing for the rest): the dependents of these keys are known to the
+                # scheduler now, so it keeps their values as long as they are needed
+                with c._lock:
+                    held = [k for k in held if c._refcount.get(k, 0) == 0]
+                c._enqueue({"op": "release-keys", "keys": held}, lazy=True)
 
     def _unsendable(self, msg: Any, error: SerializationError) -> Any:
         """An ``update-graph`` that cannot be serialized for the scheduler: a task's

@@ -412,9 +412,9 @@ def test_a_converted_graph_is_left_to_the_oldest_generation_of_the_collector():
 def test_depth_first_order_stops_at_a_cycle():
     from shoal.client import graphs
 
-    tasks = [{"key": "a", "deps": ["b"]}, {"key": "b", "deps": ["a"]}, {"key": "c", "deps": ["a"]}]
-    rank = graphs._depth_first(tasks, ["c"])
-    assert sorted(rank) == ["a", "b", "c"]  # (the scheduler then refuses the cycle)
+    order, cyclic = graphs._depth_first({"a": ["b"], "b": ["a"], "c": ["a"]}, ["c"])
+    assert sorted(order) == ["a", "b", "c"] and cyclic  # (the scheduler then refuses the cycle)
+    assert graphs._depth_first({"a": [], "b": ["a"], "c": ["a", "b", "elsewhere"]}, ["c"]) == (["a", "b", "c"], False)
 
 
 # -- a big graph goes to the scheduler in parts
@@ -451,6 +451,83 @@ def test_a_big_graph_is_cut_where_every_input_came_before():
     assert graphs.split_graph(tasks, ["total"], size=40) == ([(tasks, ["total"])], [])
     backwards = tasks[::-1]
     assert graphs.split_graph(backwards, ["total"], size=7) == ([(backwards, ["total"])], [])
+
+
+def test_a_big_dask_graph_is_made_into_parts_as_they_are_sent(monkeypatch):
+    """Past DASK_ORDER_MAX tasks a graph's parts are made one at a time (the first
+    is sent, and runs, while the others are made), depth first: each names only keys
+    of its own or of earlier parts, holds what later parts need, and the last wants
+    the graph's keys; a graph with a cycle is not cut (sent whole, it is refused)."""
+    from operator import add
+
+    from shoal.client import graphs
+
+    monkeypatch.setattr(graphs, "DASK_ORDER_MAX", 10)
+    dsk: dict[Any, Any] = {("leaf", i): i for i in range(16)}
+    level = [("leaf", i) for i in range(16)]
+    while len(level) > 1:
+        nxt = [(f"sum{len(level)}", j) for j in range(len(level) // 2)]
+        for j, key in enumerate(nxt):
+            dsk[key] = (add, level[2 * j], level[2 * j + 1])
+        level = nxt
+    made: list[Any] = []
+    task_of = graphs._task_of
+    monkeypatch.setattr(graphs, "_task_of", lambda key, *a: made.append(key) or task_of(key, *a))
+    parts = graphs.prepare(dsk, [level[0]]).parts(size=7)
+    assert parts is not None
+    first = next(parts)
+    assert len(made) == 7 and [t["key"] for t in first[0]] == made  # the rest not made yet
+    parts_list = [first, *parts]
+    assert [len(p) for p, _, _ in parts_list] == [7, 7, 7, 7, 3]
+    sent: set[Any] = set()
+    need: dict[Any, int] = {}
+    for i, (part, wanted, held) in enumerate(parts_list):
+        keys = {t["key"] for t in part}
+        for t in part:
+            assert all(d in sent or d in keys for d in t["deps"])
+        later = {d for p, _, _ in parts_list[i + 1:] for t in p for d in t["deps"]}
+        assert sorted(held) == sorted(keys & later) and set(held) <= set(wanted)
+        sent |= keys
+    assert sent == set(dsk) and parts_list[-1][1] == [level[0]]
+    values: dict[Any, Any] = {}
+    for part, _, _ in parts_list:
+        for t in part:
+            spec = t["payload"].data
+            values[t["key"]] = spec.func(spec.args[0], {d: values[d] for d in t["deps"]})
+    assert values[level[0]] == sum(range(16))
+    # small graphs, and cycles, are made whole (split_graph then cuts what it can)
+    monkeypatch.setattr(graphs, "DASK_ORDER_MAX", 100)
+    assert graphs.prepare(dsk, [level[0]]).parts(size=7) is None
+    monkeypatch.setattr(graphs, "DASK_ORDER_MAX", 1)
+    assert graphs.prepare({"a": (add, "b", 1), "b": (add, "a", 1), "c": (add, "a", 1)}, ["c"]).parts() is None
+
+
+def test_a_big_dask_collection_computes_part_by_part(monkeypatch):
+    """End to end: a collection whose graph is past DASK_ORDER_MAX goes to the scheduler
+    in parts made as they are sent, with the call's options, and computes."""
+    import dask.array as da
+
+    import shoal
+    from shoal.client import graphs
+
+    monkeypatch.setattr(graphs, "DASK_ORDER_MAX", 50)
+    monkeypatch.setattr(graphs, "GRAPH_CHUNK", 40)
+    y = (da.ones(300, chunks=1) + 1).sum()
+    with shoal.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            shoal.Client(cluster) as client:
+        seen: list[list[Any]] = []
+        state = cluster.scheduler.state
+        handle = state.handle
+
+        def spy(*events: Any) -> Any:
+            seen.extend(e.tasks for e in events if type(e).__name__ == "UpdateGraphEvent")
+            return handle(*events)
+
+        monkeypatch.setattr(state, "handle", spy)
+        future = client.compute(y, retries=2)
+        assert future.result(timeout=60) == 600
+        assert len(seen) > 2 and all(len(tasks) == 40 for tasks in seen[:-1]) and 0 < len(seen[-1]) <= 40
+        assert all(t.retries == 2 for tasks in seen for t in tasks)
 
 
 def test_wanted_keys_no_part_defines_go_with_the_last_part():
