@@ -12,8 +12,7 @@ from ..protocol.messages import Key
 from ..statelog import InvalidTransition
 
 __all__ = ["TState", "STATES", "InvalidTransition", "WorkerState", "TaskState", "Few", "FEW", "plus", "minus",
-           "PrefixGroup", "TaskQueue", "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "find_cycle",
-           "topological"]
+           "PrefixGroup", "TaskQueue", "Queue", "Need", "need_of", "RoomIndex", "dependents_closure", "topological"]
 
 
 #: a task's state on the scheduler (see the theory of operation in :mod:`.state`)
@@ -444,52 +443,36 @@ def dependents_closure(ts: TaskState, seen: set[TaskState] | None = None) -> lis
     return found
 
 
-def find_cycle(tasks: dict[Key, NewTask]) -> list[Key]:
-    """A cycle among ``tasks`` (as a list of keys), or ``[]``."""
+def topological(tasks: dict[Key, NewTask]) -> tuple[list[Key], list[Key]]:
+    """``(order, cycle)``: the keys of ``tasks`` each after its dependencies (among
+    ``tasks``), otherwise in submission order; and a cycle among them (as a list of
+    keys, its first key again at its end) or ``[]``. One walk, without recursion:
+    with a cycle, ``order`` is incomplete."""
+    out: list[Key] = []
+    #: 1 on the walk's path, 2 placed in ``out``
     color: dict[Key, int] = {}
     for root in tasks:
         if root in color:
             continue
-        stack: list[tuple[Key, Iterable[Key]]] = [(root, iter(tasks[root].dependencies))]
+        stack: list[tuple[Key, Iterator[Key]]] = [(root, iter(tasks[root].dependencies))]
         path = [root]
         color[root] = 1
         while stack:
             key, deps = stack[-1]
             for dep in deps:
-                if dep not in tasks:
-                    continue
                 c = color.get(dep, 0)
-                if c == 1:
-                    return path[path.index(dep):] + [dep]
                 if c == 0:
+                    if dep not in tasks:
+                        continue  # a key the scheduler has already
                     color[dep] = 1
                     path.append(dep)
                     stack.append((dep, iter(tasks[dep].dependencies)))
                     break
+                if c == 1:
+                    return out, path[path.index(dep):] + [dep]
             else:
                 color[key] = 2
+                out.append(key)
                 path.pop()
                 stack.pop()
-    return []
-
-
-def topological(tasks: dict[Key, NewTask]) -> list[Key]:
-    """Keys with dependencies first, otherwise in submission order."""
-    out: list[Key] = []
-    done: set[Key] = set()
-    for root in tasks:
-        if root in done:
-            continue
-        stack: list[tuple[Key, Any]] = [(root, iter(tasks[root].dependencies))]
-        while stack:
-            key, deps = stack[-1]
-            for dep in deps:
-                if dep in tasks and dep not in done:
-                    stack.append((dep, iter(tasks[dep].dependencies)))
-                    break
-            else:
-                stack.pop()
-                if key not in done:
-                    done.add(key)
-                    out.append(key)
-    return out
+    return out, []

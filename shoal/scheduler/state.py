@@ -108,7 +108,6 @@ from .model import (
     TaskState,
     WorkerState,
     dependents_closure,
-    find_cycle,
     topological,
 )
 from ..protocol.messages import Key
@@ -423,7 +422,7 @@ class SchedulerState(Placement):
                     else:
                         self._refuse_graph(ev, f"task {t.key!r} depends on unknown key {dep!r}")
                     return
-        cycle = find_cycle(new)
+        order, cycle = topological(new)
         if cycle:
             self._refuse_graph(ev, "the graph has a cycle: " + " -> ".join(map(repr, cycle)))
             return
@@ -431,7 +430,6 @@ class SchedulerState(Placement):
             for key in new:
                 self._refused.pop(key, None)  # made now: no longer a refused graph's
         generation = next(self._generation)
-        order = topological(new)
         created: list[TaskState] = []
         prefixes: dict[Any, str] = {}
         for i, key in enumerate(order):

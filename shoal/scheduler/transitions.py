@@ -117,7 +117,10 @@ class TaskTransitions:
             # multi-step routes through released
             if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
                 more = self._transition(ts, "released")
-                return {**more, ts: "forgotten"} if ts.state == "released" else more
+                if ts.state == "released":
+                    # on at once (what it recommends joins the released step's)
+                    more.update(self._released_forgotten(ts))
+                return more
             if finish == "waiting" and start in ("memory", "erred"):
                 # ts first: its inputs, recommended "forgotten" on the way, are needed again
                 more = self._transition(ts, "released")
@@ -176,13 +179,15 @@ class TaskTransitions:
             for name, amount in ts.resources.items():
                 used[name] = used.get(name, 0) + amount
         self._touch(ws)
-        deps = ts.dependencies
-        if deps:
-            who_has = {d.key: self._holders_for(d, ws) for d in deps}
-            nbytes = {d.key: d.nbytes for d in deps}
-            shm = {d.key: info for d in deps if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None}
-        else:
-            who_has, nbytes, shm = {}, {}, {}
+        who_has: dict[Any, list[str]] = {}
+        nbytes: dict[Any, int] = {}
+        shm: dict[Any, Any] = {}
+        for d in ts.dependencies:
+            key = d.key
+            who_has[key] = self._holders_for(d, ws)
+            nbytes[key] = d.nbytes
+            if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None:
+                shm[key] = info
         self._emit(ComputeTask(self._stimulus, ws.address, ts.key, ts.payload, who_has, nbytes, ts.priority, shm,
                                bool(ts.who_wants), ts.resources))
 
@@ -290,11 +295,15 @@ class TaskTransitions:
         return recs
 
     def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
-        if any(d.state in ("waiting", "queued", "processing") for d in ts.dependents):
-            # a dependent still has to run: compute this again
-            return {ts: "waiting"}
-        if ts.who_wants or any(d.state != "forgotten" for d in ts.dependents):
-            return {}  # still needed by a client or by a dependent's record
+        kept = bool(ts.who_wants)  # still needed by a client or by a dependent's record
+        for d in ts.dependents:
+            state = d.state
+            if state in _TO_RUN:
+                return {ts: "waiting"}  # a dependent still has to run: compute this again
+            if state != "forgotten":
+                kept = True
+        if kept:
+            return {}
         recs: dict[TaskState, str] = {}
         self._set_state(ts, "forgotten")
         del self.tasks[ts.key]
@@ -466,6 +475,8 @@ class TaskTransitions:
 
 #: states that hold a value or will compute one: worth forgetting once nobody needs them
 _ACTIVE = frozenset({"waiting", "queued", "processing", "memory"})
+#: states of a task that has yet to run
+_TO_RUN = frozenset({"waiting", "queued", "processing"})
 
 #: every change of a task's state that may happen (what :meth:`TaskTransitions._set_state`
 #: allows); the routes of :data:`_TRANSITIONS` are made of these
