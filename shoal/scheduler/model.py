@@ -75,8 +75,12 @@ def plus(c: Few[T], x: T) -> Few[T]:
 def minus(c: Few[T], x: T) -> Few[T]:
     """``c`` without ``x`` (``c`` itself when it is a set, changed)."""
     if type(c) is tuple:
-        if len(c) == 1:
+        n = len(c)
+        if n == 1:
             return () if c[0] == x else c
+        if n == 2:  # (the inputs of a reduction's step)
+            a, b = c
+            return (b,) if a == x else (a,) if b == x else c
         if x not in c:
             return c
         return tuple([y for y in c if y != x])

@@ -186,7 +186,9 @@ class Placement(TaskTransitions):
         for dts in sorted(ts.dependents):
             deps = dts.dependencies
             if len(deps) <= _SIBLING_INPUTS:
-                out.extend(d for d in deps if d is not ts and d not in out)
+                for d in deps:
+                    if d is not ts and d not in out:
+                        out.append(d)
         return out
 
     def _sibling_worker(self, ts: TaskState) -> WorkerState | None:
