@@ -10,6 +10,7 @@ here.
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
@@ -72,20 +73,21 @@ class Node:
 
 
 def _carried_bytes(node: Any) -> int:
-    """Bytes of the constants in dask graph node ``node`` (without recursion)."""
-    from dask._task_spec import Alias, DataNode, Task, TaskRef
-
+    """Bytes of the constants in dask graph node ``node`` (without recursion).
+    References (to keys, to other nodes' outputs) and classes (a dtype's, say:
+    pickled by name) carry none."""
+    Alias, DataNode, Task, TaskRef = _spec_classes()
     total = 0
     stack = [node]
     while stack:
         x = stack.pop()
         typ = type(x)
-        if typ is tuple or typ is list:
+        if typ is Alias or typ is TaskRef or typ is int or typ is float or typ is bool or x is None:
+            pass
+        elif typ is tuple or typ is list:
             stack.extend(x)
         elif typ is str or typ is bytes:
             total += len(x)  # (keys, mostly)
-        elif typ is int or typ is float or typ is bool or x is None:
-            pass
         elif typ is dict:
             stack.extend(x.values())
         elif isinstance(x, Task):
@@ -93,9 +95,18 @@ def _carried_bytes(node: Any) -> int:
             stack.extend(x.kwargs.values())
         elif isinstance(x, DataNode):
             stack.append(x.value)
-        elif not isinstance(x, (TaskRef, Alias)):
+        elif not isinstance(x, (TaskRef, Alias, type)):
             total += sizeof(x)
     return total
+
+
+@functools.cache
+def _spec_classes() -> tuple[Any, Any, Any, Any]:
+    """dask's ``Alias``, ``DataNode``, ``Task`` and ``TaskRef`` (imported once: a
+    graph's every task is sized)."""
+    from dask._task_spec import Alias, DataNode, Task, TaskRef
+
+    return Alias, DataNode, Task, TaskRef
 
 
 def _identity(x: Any) -> Any:
