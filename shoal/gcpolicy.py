@@ -23,7 +23,7 @@ import threading
 
 from . import config
 
-__all__ = ["hold", "release", "holders"]
+__all__ = ["hold", "release", "holders", "collector_off"]
 
 _lock = threading.Lock()
 _holders = 0
@@ -66,3 +66,26 @@ def release() -> None:
 def holders() -> int:
     """How many servers of this process hold the policy now."""
     return _holders
+
+
+class collector_off:
+    """The cyclic collector off for a block that makes objects by the thousand and
+    keeps them all (a graph's tasks, as the client converts them or the scheduler
+    takes them in): its passes would free nothing.
+
+    When the block ends, what it made is still in the youngest generation: the next
+    young and middle passes would each walk all of it (1.0 and 1.7 s for a dask graph
+    of 444,450 tasks) only to promote it. It goes to the oldest generation at once
+    instead (freezing moves every tracked object to the permanent generation, and
+    unfreezing moves them all on to the oldest), where a full pass still collects any
+    cycle among them."""
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
+            gc.freeze()
+            gc.unfreeze()
+            gc.enable()

@@ -11,11 +11,11 @@ here.
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
 from ..errors import GraphError
+from ..gcpolicy import collector_off
 from ..protocol import to_serialize
 from ..protocol.serialize import sizeof
 from ..taskspec import Ref, RunSpec, Task
@@ -126,32 +126,11 @@ def graph_to_tasks(dsk: Any, keys: Any) -> tuple[list[dict[str, Any]], list[Any]
     return graph.tasks(), graph.wanted
 
 
-class _collector_off:
-    """The cyclic collector off for a block that makes a graph's objects (by the
-    thousand, all of them kept until they are sent: its passes would free nothing)."""
-
-    def __enter__(self) -> None:
-        self.was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.was:
-            # what was made meanwhile is still in the youngest generation: the next two
-            # passes would each walk all of it (1.0 and 1.7 s, the second on the event
-            # loop's thread, for a graph of 444,450 tasks) only to promote it; it goes to
-            # the oldest at once instead (freezing moves every object to the permanent
-            # generation, unfreezing moves them all on to the oldest), where a full pass
-            # still collects any cycle among them
-            gc.freeze()
-            gc.unfreeze()
-            gc.enable()
-
-
 def prepare(dsk: Any, keys: Any) -> "Graph":
     """``dsk`` (see :func:`graph_to_tasks`) materialized and checked, ready to be made
     into tasks: all at once (:meth:`Graph.tasks`) or, a big graph, part by part as they
     are sent (:meth:`Graph.parts`). Raises what :func:`graph_to_tasks` raises."""
-    with _collector_off():
+    with collector_off():
         return Graph(dsk, keys)
 
 
@@ -190,7 +169,7 @@ class Graph:
 
     def tasks(self) -> list[dict[str, Any]]:
         """Every task, in the order to run them."""
-        with _collector_off():
+        with collector_off():
             if self._legacy is not None:
                 return _convert_legacy(self._legacy)
             tasks = [_task_of(key, node) for key, node in self.nodes.items()]
@@ -207,7 +186,7 @@ class Graph:
         with a cycle (sent whole: the scheduler refuses it) or without dask."""
         if self._legacy is not None or len(self.nodes) <= DASK_ORDER_MAX:
             return None
-        with _collector_off():
+        with collector_off():
             deps = {key: list(node.dependencies) for key, node in self.nodes.items()}
             order, cyclic = _depth_first(deps, self.wanted)
             if cyclic:
@@ -226,7 +205,7 @@ class Graph:
         for begin in range(0, len(order), size):
             end = min(begin + size, len(order))
             keys = order[begin:end]
-            with _collector_off():  # (a full pass over the graph would come every few parts)
+            with collector_off():  # (a full pass over the graph would come every few parts)
                 part = [_task_of(key, nodes[key], deps[key]) for key in keys]
             held = [k for k in keys if last.get(k, -1) >= end and k not in want]
             wanted = [k for k in keys if k in want]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -230,30 +231,44 @@ class _Queued:
 
 
 class TaskQueue(_Queued):
-    """The queued tasks, first by priority: a heap whose removals are lazy.
+    """The queued tasks, first by priority.
+
+    Tasks queued in priority order (a graph's root tasks are: they are recommended in
+    that order) wait in a FIFO, and take and give O(1); a task that comes ahead of the
+    last one queued goes into a heap instead. The first task is the first of the two
+    heads.
 
     Taking a task out of the middle (it was released, cancelled, its worker died) only
-    forgets it as a member, in O(1); its heap entry is skipped when it comes up, and
-    the heap is rebuilt once more than half of it is such entries. So release, cancel
-    and a client leaving cost what they touch, not the length of the queue.
+    forgets it as a member, in O(1); its entry is skipped when it comes up, and both
+    are rebuilt once more than half of their entries are such. So release, cancel and
+    a client leaving cost what they touch, not the length of the queue.
     """
 
-    __slots__ = ("_heap", "_members")
+    __slots__ = ("_run", "_heap", "_members")
 
     def __init__(self) -> None:
+        #: entries in priority order, and the others as a heap (priorities are unique:
+        #: tuples compare in C, never reaching the tasks)
+        self._run: deque[tuple[tuple[int, ...], TaskState]] = deque()
         self._heap: list[tuple[tuple[int, ...], TaskState]] = []
         self._members: set[TaskState] = set()
 
     def push(self, ts: TaskState) -> None:
         self._members.add(ts)
-        # priorities are unique: tuples compare in C, never reaching the tasks
-        heapq.heappush(self._heap, (ts.priority, ts))
+        run = self._run
+        if not run or run[-1][0] < ts.priority:
+            run.append((ts.priority, ts))
+        else:
+            heapq.heappush(self._heap, (ts.priority, ts))
 
     def pop(self) -> TaskState:
         """The first task by priority, taken out (``IndexError`` when empty)."""
-        heap, members = self._heap, self._members
+        run, heap, members = self._run, self._heap, self._members
         while True:
-            ts = heapq.heappop(heap)[1]
+            if heap and (not run or heap[0][0] < run[0][0]):
+                ts = heapq.heappop(heap)[1]
+            else:
+                ts = run.popleft()[1]
             if ts in members:
                 members.discard(ts)
                 return ts
@@ -261,19 +276,20 @@ class TaskQueue(_Queued):
     def remove(self, ts: TaskState) -> None:
         """Take ``ts`` out (``KeyError`` if it is not queued)."""
         self._members.remove(ts)
-        if len(self._heap) > 2 * len(self._members) + 64:
-            self._heap = sorted((t.priority, t) for t in self._members)  # a sorted list is a heap
-
+        if len(self._run) + len(self._heap) > 2 * len(self._members) + 64:
+            self._run = deque(sorted((t.priority, t) for t in self._members))
+            self._heap = []
 
     def peek(self) -> TaskState | None:
         """The first task by priority, left in; None when empty."""
-        heap, members = self._heap, self._members
-        while heap:
-            ts = heap[0][1]
-            if ts in members:
-                return ts
+        run, heap, members = self._run, self._heap, self._members
+        while heap and heap[0][1] not in members:
             heapq.heappop(heap)
-        return None
+        while run and run[0][1] not in members:
+            run.popleft()
+        if heap and (not run or heap[0][0] < run[0][0]):
+            return heap[0][1]
+        return run[0][1] if run else None
 
 
 #: what a queued task asks of the worker it runs on: its language, the workers it

@@ -62,11 +62,11 @@ The scheduler never looks inside a task's payload: it holds it opaque and forwar
 
 from __future__ import annotations
 
-import gc
 import itertools
 from collections.abc import Callable
 from typing import Any
 
+from ..gcpolicy import collector_off
 from ..protocol.messages import CancelledKeyMsg, TaskErredMsg, to_wire
 from .events import (
     FIRE_AND_FORGET,
@@ -250,14 +250,10 @@ class SchedulerState(Placement):
             self._stimulus = event.stimulus_id
             self._instructions = out
             self.log.event(event, first=i == 0)
-            if type(event) is UpdateGraphEvent and len(event.tasks) >= _BIG_GRAPH and gc.isenabled():
-                # a big graph makes objects by the million, all of them kept: the
-                # collector's passes over them would find nothing to free
-                gc.disable()
-                try:
+            if type(event) is UpdateGraphEvent and len(event.tasks) >= _BIG_GRAPH:
+                # a big graph makes objects by the million, all of them kept
+                with collector_off():
                     self._update_graph(event)
-                finally:
-                    gc.enable()
             else:
                 self._handlers[type(event)](event)
             if self._opened:

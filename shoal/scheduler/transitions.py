@@ -118,7 +118,7 @@ class TaskTransitions:
             if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
                 more = self._transition(ts, "released")
                 if ts.state == "released":
-                    # on at once (what it recommends joins the released step's)
+                    # forgotten at once: what that recommends joins what releasing it did
                     more.update(self._released_forgotten(ts))
                 return more
             if finish == "waiting" and start in ("memory", "erred"):

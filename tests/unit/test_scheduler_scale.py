@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shoal.scheduler.state import (
     AddWorkerEvent,
@@ -258,6 +260,38 @@ def test_releasing_a_big_queue_is_linear(how):
     assert large < 5 * small, (small, large)
 
 
+# -- the queue
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "remove", "pop", "peek"]), st.integers(0, 40)), max_size=120))
+def test_the_queue_gives_its_tasks_in_priority_order_whatever_order_they_came_in(steps):
+    """Tasks queued in priority order wait in a FIFO, the others in a heap; what comes
+    out is always the first member by priority, and removed tasks never come out."""
+    from shoal.scheduler.model import TaskQueue, TaskState
+
+    q = TaskQueue()
+    tasks = {i: TaskState(f"t-{i}", priority=(0, 0, i)) for i in range(41)}
+    members: set[int] = set()
+    for op, i in steps:
+        if op == "push" and i not in members:
+            q.push(tasks[i])
+            members.add(i)
+        elif op == "remove" and i in members:
+            q.remove(tasks[i])
+            members.discard(i)
+        elif op == "peek":
+            assert q.peek() is (tasks[min(members)] if members else None)
+        elif op == "pop" and members:
+            assert q.pop() is tasks[min(members)]
+            members.discard(min(members))
+        assert len(q) == len(members) and [t.key for t in q] == [f"t-{i}" for i in sorted(members)]
+    for i in sorted(members):
+        assert q.pop() is tasks[i]
+    with pytest.raises(IndexError):
+        q.pop()
+
+
 # -- the simulation in bench/sim.py, small
 
 
@@ -407,6 +441,26 @@ def test_a_converted_graph_is_left_to_the_oldest_generation_of_the_collector():
     assert not made & young
     assert made <= {id(o) for o in gc.get_objects(generation=2)}
     assert gc.get_freeze_count() == 0
+
+
+def test_a_big_graph_the_scheduler_took_in_is_left_to_the_oldest_generation_of_the_collector():
+    """What the scheduler made for a big graph (with the collector off) is not left to
+    the young generations: their next passes, in the events that follow, would walk
+    all of it only to promote it."""
+    import gc
+
+    from shoal.scheduler.state import _BIG_GRAPH
+
+    s = cluster(2)
+    assert gc.isenabled()
+    gc.collect()
+    submit(s, chain(_BIG_GRAPH), wanted=[f"link-{_BIG_GRAPH - 1}"])
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    made = {id(ts) for ts in s.tasks.values()}
+    young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation=generation)}
+    assert len(made) == _BIG_GRAPH and not made & young
+    assert made <= {id(o) for o in gc.get_objects(generation=2)}
+    s.validate()
 
 
 def test_depth_first_order_stops_at_a_cycle():
