@@ -115,12 +115,6 @@ class TaskTransitions:
         func = _TRANSITIONS.get((start, finish))
         if func is None:
             # multi-step routes through released
-            if finish == "forgotten" and start in ("memory", "waiting", "queued", "processing", "erred"):
-                more = self._transition(ts, "released")
-                if ts.state == "released":
-                    # forgotten at once: what that recommends joins what releasing it did
-                    more.update(self._released_forgotten(ts))
-                return more
             if finish == "waiting" and start in ("memory", "erred"):
                 # ts first: its inputs, recommended "forgotten" on the way, are needed again
                 more = self._transition(ts, "released")
@@ -293,6 +287,13 @@ class TaskTransitions:
             if dts.state == "waiting":
                 dts.wait_on(ts)
         return recs
+
+    def _to_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
+        """Released, then forgotten at once (what that recommends joins what releasing
+        it did)."""
+        more = self._to_released(ts)
+        more.update(self._released_forgotten(ts))
+        return more
 
     def _released_forgotten(self, ts: TaskState) -> dict[TaskState, str]:
         kept = bool(ts.who_wants)  # still needed by a client or by a dependent's record
@@ -507,6 +508,11 @@ _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
     ("memory", "released"): TaskTransitions._to_released,
     ("erred", "released"): TaskTransitions._to_released,
     ("released", "forgotten"): TaskTransitions._released_forgotten,
+    ("waiting", "forgotten"): TaskTransitions._to_forgotten,
+    ("queued", "forgotten"): TaskTransitions._to_forgotten,
+    ("processing", "forgotten"): TaskTransitions._to_forgotten,
+    ("memory", "forgotten"): TaskTransitions._to_forgotten,
+    ("erred", "forgotten"): TaskTransitions._to_forgotten,
 }
 
 
