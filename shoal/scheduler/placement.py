@@ -211,18 +211,24 @@ class Placement(TaskTransitions):
             n = max(d.nbytes, 1)
             for ws in d.who_has:
                 local[ws] = local.get(ws, 0) + n
+        if len(local) == 1:  # (inputs made together are held together)
+            (ws,) = local
+            return ws if self._may_take(ts, ws) else None
         best: WorkerState | None = None
         best_score: tuple[float, float, str] | None = None
-        workers = self.workers
-        lang = ts.language
         for ws, n in local.items():
-            if not self._overfillable(ws) or workers.get(ws.address) is not ws or lang not in ws.languages \
-                    or not _has_resources(ts, ws):
-                continue  # full, leaving (a liveness check drops several at once), or it cannot run ts
-            score = (-n, len(ws.processing) / ws.nthreads, ws.address)
-            if best_score is None or score < best_score:
-                best, best_score = ws, score
+            if self._may_take(ts, ws):
+                score = (-n, len(ws.processing) / ws.nthreads, ws.address)
+                if best_score is None or score < best_score:
+                    best, best_score = ws, score
         return best
+
+    def _may_take(self, ts: TaskState, ws: WorkerState) -> bool:
+        """Whether the holder of inputs ``ws`` may be sent ``ts``: it is not too full
+        (:meth:`_overfillable`), not leaving (a liveness check drops several at once),
+        and runs it (its language, the resources it asks for free)."""
+        return self._overfillable(ws) and self.workers.get(ws.address) is ws and ts.language in ws.languages \
+            and _has_resources(ts, ws)
 
     def _constrained(self, ts: TaskState) -> bool:
         """Whether some worker may not run ``ts``: it names workers or asks for

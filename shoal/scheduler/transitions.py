@@ -72,13 +72,8 @@ class TaskTransitions:
             elif finish == "waiting":
                 if start != "released":
                     continue  # already on its way, or erred
-            elif finish == "forgotten" and start != "released":
-                if ts.who_wants or ts.waiters:
-                    continue  # a client or a dependent has come back since
-                more = self._transition(ts, finish)  # (through released)
-                if more:
-                    pending.extend(more.items())
-                continue
+            elif finish == "forgotten" and start != "released" and (ts.who_wants or ts.waiters):
+                continue  # a client or a dependent has come back since
             func = routes.get((start, finish))
             more = func(self, ts) if func is not None else self._transition(ts, finish)
             if more:
