@@ -426,11 +426,14 @@ class SchedulerState(Placement):
             for key in new:
                 self._refused.pop(key, None)  # made now: no longer a refused graph's
         generation = next(self._generation)
+        tasks = self.tasks
         created: list[TaskState] = []
         prefixes: dict[Any, str] = {}
+        prioritized = False
         for i, key in enumerate(order):
             t = new[key]
             ts = TaskState(key, payload=t.payload, priority=(-t.priority, generation, i), retries=t.retries)
+            prioritized = prioritized or t.priority != 0
             self._join_group(ts, prefixes)
             if t.restrictions is not None:
                 ts.restrictions = set(t.restrictions)
@@ -438,26 +441,24 @@ class SchedulerState(Placement):
             if t.resources:
                 ts.resources = dict(t.resources)
             ts.language = t.language
-            self.tasks[key] = ts
+            tasks[key] = ts
             created.append(ts)
-        tasks = self.tasks
-        for ts in created:
-            names = new[ts.key].dependencies
-            if not names:
-                continue
-            inputs = ts.group.dependencies if ts.group is not None else set()
-            # in priority order once and for all: every walk over them goes in that order
-            ts.dependencies = deps = tuple(sorted({tasks[k] for k in names}))
-            for dep in deps:
-                dep.add_dependent(ts)
-                if dep.group is not None:
-                    inputs.add(dep.group.name)
+            names = t.dependencies
+            if names:
+                # its inputs are made already (the order is topological) or were known;
+                # in priority order once and for all: every walk over them goes in that order
+                inputs = ts.group.dependencies if ts.group is not None else set()
+                ts.dependencies = deps = tuple(sorted({tasks[k] for k in names}))
+                for dep in deps:
+                    dep.add_dependent(ts)
+                    if dep.group is not None:
+                        inputs.add(dep.group.name)
         for key in ev.wanted:
             if key in tasks:
                 tasks[key].want(ev.client)
         self.clients.add(ev.client)
         recs: dict[TaskState, str] = {}
-        if any(t.priority for t in new.values()):
+        if prioritized:
             created.sort()  # the tasks go to workers in the order recommended: by priority
         for ts in created:
             if ts.state != "released":
