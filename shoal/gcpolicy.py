@@ -14,6 +14,9 @@ server), the young generation's threshold is at least the ``gc-threshold`` setti
 older generations' thresholds stay, so each kind of pass comes ~14 times less often.
 When the last of them closes (:func:`release`) the thresholds go back to what they
 were, unless someone changed them meanwhile (then theirs stay).
+
+A block that makes objects by the thousand and keeps them all (a big graph, in the
+client or the scheduler) runs with the collector off (:class:`collector_off`).
 """
 
 from __future__ import annotations
