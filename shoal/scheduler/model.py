@@ -234,9 +234,9 @@ class TaskQueue(_Queued):
     """The queued tasks, first by priority.
 
     Tasks queued in priority order (a graph's root tasks are: they are recommended in
-    that order) wait in a FIFO, and take and give O(1); a task that comes ahead of the
-    last one queued goes into a heap instead. The first task is the first of the two
-    heads.
+    that order) wait in a FIFO, where they go in and come out in O(1); a task that
+    comes ahead of the last one queued goes into a heap instead. The first task is the
+    first of the two heads.
 
     Taking a task out of the middle (it was released, cancelled, its worker died) only
     forgets it as a member, in O(1); its entry is skipped when it comes up, and both
