@@ -195,12 +195,10 @@ class Placement(TaskTransitions):
         """The worker where a sibling of the root task ``ts`` runs (even beyond its
         room, as a dependent goes to its inputs): the dependent then finds both its
         inputs there (co-assignment)."""
-        lang = ts.language
         for sib in self._siblings(ts):
             ws = sib.processing_on
-            if ws is not None and self._overfillable(ws) and self.workers.get(ws.address) is ws \
-                    and lang in ws.languages and _has_resources(ts, ws):
-                return ws  # (not one that is leaving: a liveness check drops several at once)
+            if ws is not None and self._may_take(ts, ws):
+                return ws
         return None
 
     def _best_holder(self, ts: TaskState) -> WorkerState | None:
@@ -224,9 +222,10 @@ class Placement(TaskTransitions):
         return best
 
     def _may_take(self, ts: TaskState, ws: WorkerState) -> bool:
-        """Whether the holder of inputs ``ws`` may be sent ``ts``: it is not too full
-        (:meth:`_overfillable`), not leaving (a liveness check drops several at once),
-        and runs it (its language, the resources it asks for free)."""
+        """Whether ``ws`` (an inputs' holder, a sibling's worker) may be sent ``ts``
+        beyond its room: it is not too full (:meth:`_overfillable`), not leaving (a
+        liveness check drops several at once), and runs it (its language, the resources
+        it asks for free)."""
         return self._overfillable(ws) and self.workers.get(ws.address) is ws and ts.language in ws.languages \
             and _has_resources(ts, ws)
 
