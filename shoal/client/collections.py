@@ -2,6 +2,8 @@
 
 Graphs go through dask's own conversion (:mod:`.graphs`); collections are optimized and
 lowered by dask on the client, as ``dask.compute`` does, then submitted as one graph.
+Lowering picks the methods of shuffles and rechunks: it happens under shoal's choice of
+them (:mod:`.dask_methods`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from . import graphs
+from . import dask_methods, graphs
 from .future import Future
 from .options import TaskOptions, apply_annotations, call_options
 
@@ -66,11 +68,12 @@ class DaskCollections:
             if not dask.is_dask_collection(coll):
                 out.append(coll)
                 continue
-            expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
-            keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
-            if len(keys) != 1:
-                raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-            graph = graphs.prepare(expr, keys)
+            with dask_methods.chosen():
+                expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
+                keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
+                if len(keys) != 1:
+                    raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
+                graph = graphs.prepare(expr, keys)
             parts = graph.parts() if len(colls) == 1 else None
             future = Future(keys[0], self._client)
             if parts is not None:
@@ -107,13 +110,15 @@ class DaskCollections:
         dask_colls = [c for c in colls if dask.is_dask_collection(c)]
         if not dask_colls:
             return collections
-        expr = collections_to_expr(dask_colls, optimize_graph).optimize()
-        per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
-                    for k in expr.__dask_keys__()]
-        if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
-            per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
-        all_keys = [k for ks in per_coll for k in ks]
-        tasks, _ = graphs.graph_to_tasks(expr, all_keys)
+        with dask_methods.chosen():
+            expr = collections_to_expr(dask_colls, optimize_graph).optimize()
+            per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
+                        for k in expr.__dask_keys__()]
+            if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
+                per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
+            all_keys = [k for ks in per_coll for k in ks]
+            graph = graphs.prepare(expr, all_keys)
+        tasks = graph.tasks()
         apply_annotations(tasks, _annotations(expr), options)
         futures = {k: Future(k, self._client) for k in all_keys}
         self._submit_tasks(tasks, all_keys)
@@ -135,7 +140,9 @@ class DaskCollections:
         return self._sync(self._get, dsk, keys, options)
 
     async def _get(self, dsk: Any, keys: Any, options: TaskOptions | None = None) -> Any:
-        tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
+        with dask_methods.chosen():  # (a collection given as it is is lowered here)
+            graph = graphs.prepare(dsk, keys)
+        tasks, flat_keys = graph.tasks(), graph.wanted
         apply_annotations(tasks, _annotations(dsk), options or TaskOptions())
         futures = [Future(k, self._client) for k in flat_keys]
         self._submit_tasks(tasks, flat_keys)
