@@ -1,7 +1,8 @@
 """dask's all-to-all exchanges (dataframe shuffles, merges, sorts, split_out
 reductions; array rechunks) on worker processes: right against pandas/numpy by every
 way a shoal client runs a graph, with the "tasks" method that dask is made to pick
-there, the user's own choice kept, and dask's config as it was once the clients close."""
+there, the user's own choice kept, dask's config as it was once the clients close,
+and a clear error for dask's "disk" shuffle on workers that span hosts."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from shoal_helpers import start_scheduler, start_worker, stop_processes
+
 import shoal
-from shoal import Client, LocalCluster
+from shoal import Client, GraphError, LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,3 +189,51 @@ def test_dask_config_is_as_it_was_after_the_clients_close(cluster: LocalCluster)
         assert dask.config.config == before  # not the default: dask's config is left alone
         aside.compute(_ddf(_left()).shuffle("k")).result(timeout=60)
         assert dask.config.config == before
+
+
+# -- workers on two hosts: addresses of two IPs (127.0.0.1 and 127.0.0.2, both this
+# machine's loopback), which shoal cannot tell from two machines
+
+
+@pytest.fixture(scope="module")
+def two_ip_cluster() -> Iterator[str]:
+    procs: list[Any] = []
+    try:
+        _, address = start_scheduler(procs, "--no-dashboard")
+        for ip in ("127.0.0.1", "127.0.0.2"):
+            start_worker(procs, address, "--host", ip, "--nthreads", "1", "--no-nanny")
+        yield address
+    finally:
+        stop_processes(procs)
+
+
+def test_dask_disk_shuffle_on_workers_of_two_hosts_is_refused(two_ip_cluster: str) -> None:
+    with Client(two_ip_cluster) as client:
+        client.wait_for_workers(2, timeout=30)
+        df = _ddf(_left())
+        attempts = [
+            lambda: df.shuffle("k", shuffle_method="disk").compute(),
+            lambda: client.compute(df.merge(_ddf(_right(), 3), on="k", broadcast=False, shuffle_method="disk")),
+            lambda: client.persist(df.set_index("v", shuffle_method="disk")),
+            lambda: dask.compute(df.groupby("k").v.sum(split_out=4, shuffle_method="disk"), scheduler=client.get),
+            lambda: db.from_sequence(range(100), npartitions=4).groupby(lambda i: i % 3, shuffle="disk").compute(),
+        ]
+        for attempt in attempts:
+            with pytest.raises(GraphError, match=r"'disk' shuffle.*127\.0\.0\.1.*127\.0\.0\.2"):
+                attempt()
+        with dask.config.set({"dataframe.shuffle.method": "disk"}), pytest.raises(GraphError, match="'disk'"):
+            df.shuffle("k").compute()
+        # left to shoal, the same graphs are right on these workers
+        for case in ("shuffle", "merge", "set_index", "groupby_split_out"):
+            make, check = CASES[case]
+            check(make().compute())
+
+
+async def test_an_asynchronous_client_refused_graph_errs_its_futures(two_ip_cluster: str) -> None:
+    async with Client(two_ip_cluster, asynchronous=True, set_as_default=False) as client:
+        await client.wait_for_workers(2, timeout=30)
+        future = client.compute(_ddf(_left()).shuffle("k", shuffle_method="disk"))
+        with pytest.raises(GraphError, match="'disk' shuffle"):
+            await future
+        got = await client.compute(_ddf(_left()).shuffle("k"))
+        pd.testing.assert_frame_equal(_rows(got), _rows(_left()))
