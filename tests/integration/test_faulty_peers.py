@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,9 +109,8 @@ class FaultyPeer(ForeignWorker):
         return super()._fetch(dep, holders, info, out)
 
     def _get_data(self, keys: list[Any]) -> dict[str, Any]:
-        with self.cond:
+        with self._lock:
             self.get_data_requests += 1
-            self.cond.notify_all()
         if self.serve == "without":
             return {"status": "OK", "result": {"data": {}}}
         if self.serve == "silent":
@@ -126,10 +124,6 @@ class FaultyPeer(ForeignWorker):
     def say(self, *msgs: dict[str, Any]) -> None:
         """Send ``msgs`` on the scheduler stream, as this worker."""
         self._send(list(msgs))
-
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = DEADLINE) -> bool:
-        with self.cond:
-            return self.cond.wait_for(predicate, timeout)
 
 
 @pytest.fixture
@@ -180,14 +174,6 @@ def port_listed_first(than: list[str]) -> int:
             except OSError:
                 continue
     raise AssertionError(f"no free port sorts before {than}")
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)  # polled: the condition lives in other processes
 
 
 @pytest.mark.timeout(90)
