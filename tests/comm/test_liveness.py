@@ -106,7 +106,7 @@ async def test_the_watch_keeps_a_connection_whose_reader_is_away():
 
 
 async def test_a_comm_whose_reader_stops_reading_for_many_timeouts_delivers_every_message():
-    """Over shoal's tcp: the server end reads nothing while the client writes 1 MiB
+    """Over shoal's tcp: the server end reads nothing while the client writes 256 KiB
     messages until its writes block, for many times ``tcp-timeout``; then every message
     arrives whole and in order, and both ends still work."""
     with config.set(tcp_timeout=TIMEOUT):
@@ -122,14 +122,21 @@ async def test_a_comm_whose_reader_stops_reading_for_many_timeouts_delivers_ever
         try:
             client = await connect(listener.contact_address)
             server = await asyncio.wait_for(accepted.get(), 10)
-            payloads = [bytes([i % 251]) * (1 << 20) for i in range(64)]
+            sent = 0
+            stop = asyncio.Event()
+
+            def payload(i: int) -> bytes:
+                return bytes([i % 251]) * (256 << 10)
 
             async def write_all() -> None:
-                for i, p in enumerate(payloads):
-                    await client.write({"i": i, "data": p})
+                # until the test says so: the writes block once the reader's queue and
+                # the kernel's buffers are full
+                nonlocal sent
+                while not stop.is_set():
+                    await client.write({"i": sent, "data": payload(sent)})
+                    sent += 1
 
             writing = asyncio.ensure_future(write_all())
-            # the writes block: the reader's buffers and window are full
             wsock = client._wsock  # type: ignore[attr-defined]
             watch = client._window_watch  # type: ignore[attr-defined]
             assert watch is not None
@@ -139,10 +146,14 @@ async def test_a_comm_whose_reader_stops_reading_for_many_timeouts_delivers_ever
                 await asyncio.sleep(0.02)
             await asyncio.sleep(IDLE)  # the reader stays away for many timeouts
             assert not client.closed() and not server.closed()
-            for i, p in enumerate(payloads):
+            stop.set()
+            i = 0
+            while not (writing.done() and i == sent):
                 msg = await asyncio.wait_for(server.read(), 30)
-                assert msg["i"] == i and bytes(msg["data"]) == p
-            await asyncio.wait_for(writing, 30)
+                assert msg["i"] == i and bytes(msg["data"]) == payload(i)
+                i += 1
+            await writing
+            assert sent > 64  # more than the reader's queue holds
             await server.write({"back": 1})
             assert (await asyncio.wait_for(client.read(), 10)) == {"back": 1}
         finally:
