@@ -22,7 +22,16 @@ from ..rpc import ConnectionPool
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
-from .state import SHM, AttachShm, GatherDep, GatherDepFailureEvent, GatherDepSuccessEvent, WorkerState
+from . import spill
+from .state import (
+    SHM,
+    AttachShm,
+    DataLostEvent,
+    GatherDep,
+    GatherDepFailureEvent,
+    GatherDepSuccessEvent,
+    WorkerState,
+)
 from .store import WorkerStore
 
 __all__ = ["PeerData"]
@@ -199,8 +208,20 @@ class PeerData:
 
     def _serve(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         store = self.store
-        # a spilled value is read for the peer and stays on disk here
-        found = {k: store.peek(k) for k in keys if k in store}
+        # a spilled value is read for the peer and stays on disk here; one whose file
+        # fails is lost here: left out (the asker tries another holder), and the
+        # scheduler hears it from this worker (it computes the value again)
+        found: dict[Any, Any] = {}
+        lost: list[Any] = []
+        for k in keys:
+            if k in store:
+                try:
+                    found[k] = store.peek(k)
+                except spill.CorruptSpillFile as exc:
+                    logger.error("%s; it is computed again", exc)
+                    lost.append(k)
+        if lost:
+            self.handle_stimulus(DataLostEvent(self._stimulus("data-lost"), lost))
         self.traffic.served(comm.destination, sum(sizeof(v) for v in found.values()), found.values())
         return {"data": {k: to_serialize(v) for k, v in found.items()}}
 

@@ -1,0 +1,97 @@
+"""Bytes that change where a value rests or travels never make a wrong result: a real
+worker's spill file with a bit flipped in its middle (or cut short) is caught by its
+checksums, the value is computed again and the worker goes on serving; a scattered
+value, which cannot be computed again, is a clear ``LostDataError``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import shoal
+
+np = pytest.importorskip("numpy")
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+def noise(i, nbytes):
+    """Values lz4 cannot shrink: a spill file as large as the value."""
+    return np.random.default_rng(i).random(nbytes // 8)
+
+
+def total(arr):
+    return float(arr.sum())
+
+
+def spill_now(key, dask_worker):
+    """Write ``key``'s value to disk now; its spill file's path."""
+    store = dask_worker.store
+    if not store.is_spilled(key):
+        assert store._spill(key), f"{key!r} did not spill"
+    return store._slow[key][0]
+
+
+def damage(path: str, how: str) -> None:
+    if how == "flip":  # one bit, in the middle of the file
+        with open(path, "r+b") as f:
+            middle = os.path.getsize(path) // 2
+            f.seek(middle)
+            byte = f.read(1)[0]
+            f.seek(middle)
+            f.write(bytes([byte ^ 0x10]))
+    else:
+        os.truncate(path, os.path.getsize(path) // 2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # a limit gives the workers a spill directory; nothing spills on its own below 600 MiB
+    directory = tmp_path_factory.mktemp("spill")
+    with shoal.LocalCluster(n_workers=1, processes=True, memory_limit="1GiB", local_directory=str(directory)) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with shoal.Client(cluster) as c:
+        yield c
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("read", ["dependency", "gather"])
+def test_a_damaged_spill_file_is_caught_and_its_value_computed_again(client, read, how):
+    size = 8 * MiB
+    (pid,) = client.run(os.getpid).values()
+    futures = client.map(noise, range(3), [size] * 3, pure=False)
+    shoal.wait(futures, timeout=60)
+    key = futures[1].key
+    (path,) = client.run(spill_now, key).values()
+    assert os.path.getsize(path) > size
+    damage(path, how)
+    if read == "dependency":
+        got = client.submit(total, futures[1]).result(timeout=60)
+        assert got == total(noise(1, size))
+    else:
+        assert np.array_equal(futures[1].result(timeout=60), noise(1, size))
+    assert not os.path.exists(path)
+    # the others are untouched, and the worker (the same process) goes on
+    assert [total(v) for v in client.gather(futures, errors="raise")] == [total(noise(i, size)) for i in range(3)]
+    assert client.submit(total, np.ones(4)).result(timeout=30) == 4.0
+    assert list(client.run(os.getpid).values()) == [pid]
+    assert "spill file" in client.cluster.get_logs()["worker-0"]
+
+
+def test_a_scattered_value_whose_spill_file_is_damaged_is_a_clear_error(client):
+    value = noise(7, 4 * MiB)
+    future = client.scatter(value)
+    (path,) = client.run(spill_now, future.key).values()
+    damage(path, "flip")
+    with pytest.raises(shoal.LostDataError, match="lost"):
+        client.submit(total, future).result(timeout=60)
+    with pytest.raises(shoal.LostDataError):
+        future.result(timeout=60)
+    assert client.submit(total, np.ones(2)).result(timeout=30) == 2.0
