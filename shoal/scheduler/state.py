@@ -636,6 +636,9 @@ class SchedulerState(Placement):
         if ts is None or ws is None or ws not in ts.who_has:
             return
         self._drop_replica(ts, ws)
+        # a copy it may still hold goes too: uncounted here, nothing would ever free it
+        # (its memory, its spill file)
+        self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
         if not ts.who_has and ts.state == "memory":
             recs: dict[TaskState, str] = {}
             self._lost_value(ts, recs)
