@@ -14,6 +14,9 @@ from typing import Any
 _DEFAULTS: dict[str, Any] = {
     # tcp: messages whose buffers exceed this many bytes are (de)serialized in a thread pool
     "offload-threshold": 1 << 20,
+    # tcp connections checksum their large frames (both ends must offer it; docs/protocol.md
+    # §2.4); 0: this end offers none (only to measure what they cost)
+    "wire-checksums": 1,
     # tcp: a single frame larger than this is a protocol error
     "max-frame-bytes": 1 << 36,
     # tcp: more frames than this in one message is a protocol error

@@ -14,6 +14,14 @@ take then waits, in order, behind the write lock.
 
 Messages whose out-of-band buffers exceed ``offload-threshold`` bytes are serialized and
 deserialized in a small thread pool, so the event loop keeps serving other peers.
+
+When both ends said so in the handshake (``TCPComm.checksums``; not over tls, whose
+records are authenticated already), a message with frames of
+:data:`~.framing.CHECKSUM_MIN` bytes or more ends with their checksums
+(:func:`~.framing.checksum_trailer`): the sender hashes them where it serializes (in
+the thread pool for large messages), the reader as they land (:mod:`.framing`). A
+message that fails them raises :class:`~shoal.errors.CorruptedDataError` from
+:meth:`TCPComm.read`; the connection goes on.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from ..errors import (
 )
 from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
-from .framing import alloc_buffer
+from .framing import alloc_buffer, checksum_trailer
 from . import security as _security
 from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
 from .handshake import ACCEPTOR, CONNECTOR, run_handshake
@@ -81,6 +89,10 @@ def _nbytes(frame: Any) -> int:
 
 
 class TCPComm(Comm):
+    #: whether this kind of comm offers checksums in its handshake (tls: its records
+    #: are authenticated already)
+    offers_checksums = True
+
     def __init__(self, protocol: _FrameProtocol, local: str, peer: str, deserialize: bool):
         super().__init__(deserialize)
         transport = protocol.transport
@@ -103,6 +115,8 @@ class TCPComm(Comm):
         self._leases: dict[int, Any] = {}
         self._rest: asyncio.Future[None] | None = None
         self._lost = False
+        #: large frames carry checksums both ways (both ends agreed in the handshake)
+        self.checksums = False
 
     def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> socket.socket:
         """Our own descriptor for writing, so sends never pass through the transport's
@@ -198,7 +212,7 @@ class TCPComm(Comm):
         if prepared.values and prepared.nbytes > config.get("offload-threshold"):
             return False
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames)
+        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
         if len(buffers) > _IOV_MAX:
             prepared.end_leases("not sent")
             return False
@@ -238,10 +252,10 @@ class TCPComm(Comm):
                 async with self._write_lock:
                     # (``kept``: the frames replaced, alive until sent: their mapping
                     # holds the segment's lock, so the owner cannot reuse it meanwhile)
-                    frames, kept = await self._loop.run_in_executor(
-                        offload_executor(), _frames_for, prepared, self.destination
+                    frames, kept, trailer = await self._loop.run_in_executor(
+                        offload_executor(), _frames_for, prepared, self.destination, self.checksums
                     )
-                    buffers, size = _buffers(frames)
+                    buffers, size = _buffers(frames, trailer)
                     if self.closed():
                         prepared.end_leases("closed")  # closed while serializing
                     self._check_writable()
@@ -251,7 +265,7 @@ class TCPComm(Comm):
                 self._writers -= 1
             return size
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames)
+        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
         if prepared.leases:
             self._hold_leases(prepared.leases)
         sent = 0
@@ -431,12 +445,12 @@ def _advance(views: deque[Any], sent: int) -> None:
         views.popleft()
 
 
-def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
-    """A large message's frames for ``destination``, and the frames replaced. To
-    another host, a large frame that lies in a segment this process owns goes out from
-    the owner's mapping of it: the same bytes, with its pages mapped, where the value's
-    own (copy-on-write) mapping is new and faults every 64 KiB while the kernel copies
-    from it."""
+def _frames_for(prepared: Any, destination: str, checksums: bool) -> tuple[list[Any], list[Any], bytes]:
+    """A large message's frames for ``destination``, the frames replaced, and the
+    checksum trailer (``checksums``; else ``b""``). To another host, a large frame that
+    lies in a segment this process owns goes out from the owner's mapping of it: the
+    same bytes, with its pages mapped, where the value's own (copy-on-write) mapping is
+    new and faults every 64 KiB while the kernel copies from it."""
     frames = list(prepared.frames(destination))
     replaced = []
     if destination == REMOTE:
@@ -446,19 +460,24 @@ def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
                 if view is not None:
                     replaced.append(frame)
                     frames[i] = view
-    return frames, replaced
+    return frames, replaced, checksum_trailer(frames) if checksums else b""
 
 
-def _buffers(frames: list[Any]) -> tuple[list[Any], int]:
-    """The buffers that put ``frames`` on the wire (length prefix first), and the size."""
+def _buffers(frames: list[Any], trailer: bytes = b"") -> tuple[list[Any], int]:
+    """The buffers that put ``frames`` on the wire (length prefix first, ``trailer``
+    last), and the size of the frames."""
     if len(frames) == 1:
         frame = frames[0]
         size = _nbytes(frame)
         head = _ONE_FRAME.pack(1, size)
         # a small message goes out as one buffer (one cheap copy, a plain send)
-        return ([head + frame] if size <= _COALESCE else [head, frame]), size
-    lengths = [_nbytes(f) for f in frames]
-    return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames], sum(lengths)
+        out = [head + frame] if size <= _COALESCE else [head, frame]
+    else:
+        lengths = [_nbytes(f) for f in frames]
+        out, size = [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames], sum(lengths)
+    if trailer:
+        out.append(trailer)
+    return out, size
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:

@@ -95,3 +95,65 @@ def test_a_scattered_value_whose_spill_file_is_damaged_is_a_clear_error(client):
     with pytest.raises(shoal.LostDataError):
         future.result(timeout=60)
     assert client.submit(total, np.ones(2)).result(timeout=30) == 2.0
+
+
+# ------------------------------------------------------------ bytes on the wire
+
+
+class FlipOnTheWire:
+    """Wraps ``shoal.comm.tcp._buffers``: the next ``left`` messages with a frame of
+    ``size`` bytes or more leave with one bit of that frame flipped, after the sender
+    hashed it (as a wire or a card that changes bytes would)."""
+
+    def __init__(self, buffers, size):
+        self._buffers = buffers
+        self.size = size
+        self.left = 0
+        self.flipped = 0
+
+    def __call__(self, frames, trailer=b""):
+        if trailer and self.left:
+            for i, frame in enumerate(frames):
+                view = memoryview(frame).cast("B")
+                if view.nbytes >= self.size:
+                    changed = bytearray(view)
+                    changed[len(changed) // 2] ^= 0x01
+                    frames = [*frames[:i], changed, *frames[i + 1:]]
+                    self.left -= 1
+                    self.flipped += 1
+                    break
+        return self._buffers(frames, trailer)
+
+
+@pytest.mark.async_timeout(60)
+async def test_a_value_corrupted_on_the_wire_is_fetched_again(monkeypatch):
+    from shoal.comm import tcp
+    from shoal.scheduler.server import Scheduler
+    from shoal.worker.server import Worker
+
+    monkeypatch.setenv("SHOAL_SHM", "0")  # values cross the socket, not shared memory
+    size = 8 * MiB
+    flip = FlipOnTheWire(tcp._buffers, size)
+    monkeypatch.setattr(tcp, "_buffers", flip)
+    scheduler = await Scheduler().start("tcp://127.0.0.1:0")
+    workers = [Worker(scheduler.address, name=f"w{i}") for i in range(2)]
+    for w in workers:
+        await w.start()
+    try:
+        async with shoal.Client(scheduler.address, asynchronous=True) as client:
+            a = client.submit(noise, 1, size, workers=[workers[0].address])
+            # a worker fetches it for a task: the first answer fails its checksums, the
+            # next is right
+            flip.left = 1
+            b = client.submit(total, a, workers=[workers[1].address])
+            assert await b.result(timeout=30) == total(noise(1, size))
+            assert flip.flipped == 1
+            # the client gathers it: the same
+            flip.left = 1
+            (value,) = await client.gather([a])
+            assert np.array_equal(value, noise(1, size))
+            assert flip.flipped == 2
+    finally:
+        for w in workers:
+            await w.close()
+        await scheduler.close()
