@@ -82,6 +82,9 @@ _DEFAULTS: dict[str, Any] = {
     "large-payload-bytes": 1_000_000,
     # worker results whose buffers hold at least this many bytes go to shared memory
     "shm-threshold": 1 << 16,
+    # 1: owners checksum the values they place in shared memory and readers check them
+    # as they map them (costs more than the mapping: shoal.comm.shm)
+    "shm-verify": 0,
     # numpy arrays of at least this many bytes made by a worker's tasks come from its
     # pool of retired segments (no page faults, no copy to publish them); 0: never
     "shm-alloc-threshold": 1 << 20,

@@ -18,8 +18,9 @@ deserialized in a small thread pool, so the event loop keeps serving other peers
 When both ends said so in the handshake (``TCPComm.checksums``; not over tls, whose
 records are authenticated already), a message with frames of
 :data:`~.framing.CHECKSUM_MIN` bytes or more ends with their checksums
-(:func:`~.framing.checksum_trailer`): the sender hashes them where it serializes (in
-the thread pool for large messages), the reader as they land (:mod:`.framing`). A
+(:func:`~.framing.checksum_trailer`): the sender hashes a small message's before
+sending it, a large one's in the thread pool while its frames go out (the trailer
+follows them), the reader as they land (:mod:`.framing`). A
 message that fails them raises :class:`~shoal.errors.CorruptedDataError` from
 :meth:`TCPComm.read`; the connection goes on.
 """
@@ -252,15 +253,18 @@ class TCPComm(Comm):
                 async with self._write_lock:
                     # (``kept``: the frames replaced, alive until sent: their mapping
                     # holds the segment's lock, so the owner cannot reuse it meanwhile)
-                    frames, kept, trailer = await self._loop.run_in_executor(
-                        offload_executor(), _frames_for, prepared, self.destination, self.checksums
+                    frames, kept = await self._loop.run_in_executor(
+                        offload_executor(), _frames_for, prepared, self.destination
                     )
-                    buffers, size = _buffers(frames, trailer)
+                    buffers, size = _buffers(frames)
                     if self.closed():
                         prepared.end_leases("closed")  # closed while serializing
                     self._check_writable()
                     self._hold_leases(prepared.leases)
-                    await self._send(deque(buffers), False)
+                    if not self.checksums:
+                        await self._send(deque(buffers), False)
+                    else:
+                        await self._send_checked(frames, buffers)
             finally:
                 self._writers -= 1
             return size
@@ -300,6 +304,23 @@ class TCPComm(Comm):
         finally:
             self._writers -= 1
         return size
+
+    async def _send_checked(self, frames: list[Any], buffers: list[Any]) -> None:
+        """Send a large message's ``buffers`` while its checksum trailer is computed in
+        the thread pool (the sender waits for the socket most of the time: hashing then
+        costs no time of its own), then the trailer."""
+        digests = self._loop.run_in_executor(offload_executor(), checksum_trailer, frames)
+        try:
+            await self._send(deque(buffers), False)
+            trailer = await digests
+            if trailer:
+                await self._send(deque([trailer]), True)
+        except BaseException:
+            if not digests.done():
+                digests.cancel()
+            if not self._closed:
+                self.abort()  # the frames may be out without their trailer: the stream is unusable
+            raise
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -445,12 +466,12 @@ def _advance(views: deque[Any], sent: int) -> None:
         views.popleft()
 
 
-def _frames_for(prepared: Any, destination: str, checksums: bool) -> tuple[list[Any], list[Any], bytes]:
-    """A large message's frames for ``destination``, the frames replaced, and the
-    checksum trailer (``checksums``; else ``b""``). To another host, a large frame that
-    lies in a segment this process owns goes out from the owner's mapping of it: the
-    same bytes, with its pages mapped, where the value's own (copy-on-write) mapping is
-    new and faults every 64 KiB while the kernel copies from it."""
+def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
+    """A large message's frames for ``destination``, and the frames replaced. To
+    another host, a large frame that lies in a segment this process owns goes out from
+    the owner's mapping of it: the same bytes, with its pages mapped, where the value's
+    own (copy-on-write) mapping is new and faults every 64 KiB while the kernel copies
+    from it."""
     frames = list(prepared.frames(destination))
     replaced = []
     if destination == REMOTE:
@@ -460,7 +481,7 @@ def _frames_for(prepared: Any, destination: str, checksums: bool) -> tuple[list[
                 if view is not None:
                     replaced.append(frame)
                     frames[i] = view
-    return frames, replaced, checksum_trailer(frames) if checksums else b""
+    return frames, replaced
 
 
 def _buffers(frames: list[Any], trailer: bytes = b"") -> tuple[list[Any], int]:

@@ -16,13 +16,12 @@ from typing import Any
 
 from .. import config
 from ..comm import Comm, shm, shm_born, shm_family
-from ..errors import SerializationError, describe, short_repr
+from ..errors import CorruptedDataError, SerializationError, describe, short_repr
 from ..protocol import REMOTE, sizeof, to_serialize
 from ..rpc import ConnectionPool
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
-from . import spill
 from .state import (
     SHM,
     AttachShm,
@@ -217,7 +216,7 @@ class PeerData:
             if k in store:
                 try:
                     found[k] = store.peek(k)
-                except spill.CorruptSpillFile as exc:
+                except CorruptedDataError as exc:  # its spill file, or its segment (shm-verify)
                     logger.error("%s; it is computed again", exc)
                     lost.append(k)
         if lost:

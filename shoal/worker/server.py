@@ -31,7 +31,7 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, describe, short_repr
+from ..errors import CommError, CorruptedDataError, ProtocolError, describe, short_repr
 from .. import config, gcpolicy
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
@@ -49,7 +49,7 @@ from ..protocol.messages import (
     decode,
 )
 from ..taskspec import RunSpec, run, takes_parameter
-from . import actor, context, spill, upload
+from . import actor, context, upload
 from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
 from .memory import Thresholds, parse_memory_limit
 from .diagnostics import CpuMeter, Traffic
@@ -483,7 +483,7 @@ class Worker(PeerData):
                 continue
             try:
                 deps[d.key] = data[d.key]
-            except spill.CorruptSpillFile as exc:
+            except CorruptedDataError as exc:  # its spill file, or its segment (shm-verify)
                 logger.error("%s; it is computed again", exc)
                 lost.append(d.key)
             except (OSError, MemoryError) as exc:  # may pass (out of descriptors): the task goes back

@@ -29,7 +29,9 @@ dict of the spillable keys, so picking what to spill is O(1).
 A spill file that does not give back what was written (a flipped bit fails its
 checksum, it was cut short or removed: :mod:`.spill`) loses its value: reading it
 raises :class:`.spill.CorruptSpillFile` naming the key and the file, and the key is
-no longer here; the worker tells the scheduler, which computes it again.
+no longer here; the worker tells the scheduler, which computes it again. With
+``shm-verify``, so does a value whose segment no longer matches the checksum its
+placing wrote (checked as it is read: :class:`~shoal.errors.CorruptedDataError`).
 
 A value neither pickle nor cloudpickle can write (a lock, an open file) stays in
 memory and is not tried again until it is stored anew. A failed write (disk full, any
@@ -59,7 +61,7 @@ from .. import config
 from ..comm import shm
 from ..comm.shm_files import segment_path
 from ..comm.shm_registry import SegmentState
-from ..errors import describe, short_repr
+from ..errors import CorruptedDataError, describe, short_repr
 from ..protocol.messages import Key
 from ..protocol.sizes import managed_sizeof
 from . import spill
@@ -123,6 +125,8 @@ class WorkerStore(MutableMapping[Key, Any]):
         self._warned_disk = False
         #: values smaller than this are never looked for in shared memory
         self._shm_min = min(int(config.get("shm-threshold")), 1 << 16)
+        #: the segments of values placed with a checksum are checked when read
+        self._verify = bool(config.get("shm-verify"))
 
     # ------------------------------------------------------------------ mapping
 
@@ -131,6 +135,8 @@ class WorkerStore(MutableMapping[Key, Any]):
             value = self._data[key]
         except KeyError:
             return self._unspill(key)
+        if self._verify and key in self.segments:
+            self._check_segment(key)
         lru = self._lru
         if key in lru:  # most recently used now
             del lru[key]
@@ -375,6 +381,17 @@ class WorkerStore(MutableMapping[Key, Any]):
         self._remove_file(path, written, was)
         raise spill.CorruptSpillFile(f"the value of {short_repr(key)} is lost: its spill file {path} cannot be read "
                                      f"back ({describe(cause)})", key=key, path=path) from cause
+
+    def _check_segment(self, key: Key) -> None:
+        """Check the segment of ``key``'s value against the checksum its placing wrote
+        (``shm-verify``). One that fails loses the value (as a spill file that fails),
+        raising :class:`~shoal.errors.CorruptedDataError` naming key and segment."""
+        info = self.segments[key].info
+        try:
+            shm.verify(info)
+        except CorruptedDataError as exc:
+            self.discard(key)
+            raise CorruptedDataError(f"the value of {short_repr(key)} is lost: {exc}") from exc
 
     def _new_path(self) -> str:
         directory = self.directory

@@ -112,7 +112,7 @@ class FlipOnTheWire:
         self.flipped = 0
 
     def __call__(self, frames, trailer=b""):
-        if trailer and self.left:
+        if self.left:
             for i, frame in enumerate(frames):
                 view = memoryview(frame).cast("B")
                 if view.nbytes >= self.size:
@@ -157,3 +157,53 @@ async def test_a_value_corrupted_on_the_wire_is_fetched_again(monkeypatch):
         for w in workers:
             await w.close()
         await scheduler.close()
+
+
+# ------------------------------------------------------ bytes in shared memory
+
+
+def segment_of(key, dask_worker):
+    """The segment info of ``key``'s value on this worker (None: not in one)."""
+    return dask_worker.store.segment_info(key)
+
+
+def flip_in_segment(info) -> None:
+    """One bit flipped in the middle of the value's largest buffer, in /dev/shm."""
+    name, _, _, spans, *_ = info
+    offset, length = max(spans, key=lambda s: s[1])
+    with open(os.path.join("/dev/shm", name), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0x20]))
+
+
+@pytest.fixture(scope="module")
+def verifying_cluster():
+    if not shoal.comm.shm.enabled():
+        pytest.skip("no shared memory here")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SHOAL_SHM_VERIFY", "1")  # the worker processes' setting
+    try:
+        with shoal.LocalCluster(n_workers=2, processes=True, memory_limit=None) as c:
+            yield c
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("read", ["dependency", "gather"])
+def test_with_shm_verify_a_changed_segment_is_caught_and_its_value_computed_again(verifying_cluster, read):
+    size = 8 * MiB
+    with shoal.Client(verifying_cluster) as client:
+        w0, w1 = sorted(client.scheduler_info()["workers"])
+        a = client.submit(noise, 2, size, workers=[w0], pure=False)
+        shoal.wait([a], timeout=60)
+        info = client.run(segment_of, a.key, workers=[w0])[w0]
+        assert info is not None and len(info) == 6, info  # placed with its checksum
+        flip_in_segment(info)
+        if read == "dependency":  # a peer maps it for a task
+            assert client.submit(total, a, workers=[w1]).result(timeout=60) == total(noise(2, size))
+        else:  # the client maps it
+            assert np.array_equal(a.result(timeout=60), noise(2, size))
+        assert "does not match its checksum" in "".join(verifying_cluster.get_logs().values())
+        assert client.submit(total, np.ones(5), workers=[w0]).result(timeout=30) == 5.0
