@@ -251,6 +251,7 @@ class MemoryMonitor:
             spilling = (t.spill is not None and used > t.spill) or self._disk_refused(used, goal)
         if spilling and self._collect_garbage():
             used = self.used()
+            spilling = (t.spill is not None and used > t.spill) or self._disk_refused(used, goal)
         if spilling and goal is not None and used > goal:
             freed = 0
             while used - freed > goal:
