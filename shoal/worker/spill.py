@@ -20,9 +20,9 @@ File layout (integers little-endian)::
 Checksums: a disk (or a program writing where it should not) can change a file's
 bytes, and a value read back from such a file must never be used. Each frame's stored
 bytes are hashed (xxh3, ~17 GB/s cold, ~30 GB/s in cache): a compressed chunk as it is
-written (in cache), a large raw frame in a thread while it is written, and as they are
-read, each piece just after it landed; the header is checked before any length in it
-is believed. A mismatch, a file shorter or longer than its
+written or read (in cache), a large raw frame in a thread of its own while it is written
+(no time of its own where a core is free), and read back a piece at a time, each hashed
+as it lands; the header is checked before any length in it is believed. A mismatch, a file shorter or longer than its
 header says, or a block lz4 cannot decode raise :class:`CorruptSpillFile` (a
 :class:`~shoal.errors.CorruptedDataError`) naming the file; the store then treats the
 value as lost (:mod:`.store`). Compressed frames are hashed as stored, before they are
@@ -69,6 +69,9 @@ RATIO = 0.9
 _SAMPLE_PIECE = 1 << 14
 #: buffers per writev call (the system's IOV_MAX is 1024)
 _IOV = 512
+#: raw frames at least this large are hashed in a thread of their own while they are
+#: written (the write lets go of the GIL, and so does xxhash)
+_THREAD_HASH = 4 * CHUNK
 #: the largest lz4 block a chunk of CHUNK raw bytes compresses to (lz4's bound)
 _MAX_BLOCK = CHUNK + CHUNK // 255 + 16
 
@@ -187,7 +190,7 @@ def write_value(path: str, obj: Any, compress: bool = True) -> int:
                     # it does not shrink after all: written as it is, over the attempt
                     os.ftruncate(fd, pos)
                     os.lseek(fd, pos, os.SEEK_SET)
-                if n < CHUNK:
+                if n < _THREAD_HASH:
                     pending.append(frame)
                     entries.append((RAW, n, n, xxhash.xxh3_64_intdigest(frame)))
                     continue
@@ -315,7 +318,9 @@ def _read_frame(fd: int, path: str, index: int, codec: int, raw: int, stored: in
         for start in range(0, raw, CHUNK):
             piece = view[start : start + CHUNK]
             _readinto(fd, piece, path)
-            h.update(piece)  # while it is in cache
+            # here, while it is in cache (a thread that hashed it while the next piece is
+            # read gains nothing on a busy host: measured)
+            h.update(piece)
         _check(h, digest, path, index, raw)
         return out
     if codec != LZ4 or _lz4 is None:
