@@ -262,7 +262,8 @@ class MemoryMonitor:
             if freed and not self._warned_spill:
                 self._warned_spill = True
                 logger.info("process memory %s is past the spill threshold (%s of a %s limit): "
-                            "values moved to disk", format_bytes(used), format_bytes(t.spill), format_bytes(t.limit))
+                            "values moved to disk", format_bytes(used), format_bytes(t.spill if t.spill is not None else goal),
+                            format_bytes(t.limit))
             if freed:
                 used = self.used()
             if used > goal and self.own_process:

@@ -314,9 +314,9 @@ def _read_frame(fd: int, path: str, index: int, codec: int, raw: int, stored: in
             raise CorruptSpillFile(f"spill file {path}: raw frame {index} stored in {stored:,} bytes, not {raw:,}",
                                    path=path)
         out = _empty(raw)
-        view = memoryview(out).cast("B")
+        dest = memoryview(out).cast("B")
         for start in range(0, raw, CHUNK):
-            piece = view[start : start + CHUNK]
+            piece = dest[start : start + CHUNK]
             _readinto(fd, piece, path)
             # here, while it is in cache (a thread that hashed it while the next piece is
             # read gains nothing on a busy host: measured)
