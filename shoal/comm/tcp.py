@@ -19,8 +19,8 @@ When both ends said so in the handshake (``TCPComm.checksums``; not over tls, wh
 records are authenticated already), a message with frames of
 :data:`~.framing.CHECKSUM_MIN` bytes or more ends with their checksums
 (:func:`~.framing.checksum_trailer`): the sender hashes a small message's before
-sending it, a large one's a piece at a time as the kernel takes them (in cache then;
-the trailer follows the frames), the reader as they land (:mod:`.framing`). A
+sending it, a large one's in the thread pool while its frames go out (the trailer
+follows them), the reader as they land (:mod:`.framing`). A
 message that fails them raises :class:`~shoal.errors.CorruptedDataError` from
 :meth:`TCPComm.read`; the connection goes on.
 """
@@ -41,8 +41,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import xxhash
-
 from .. import config
 from ..errors import (
     CommError,
@@ -55,7 +53,7 @@ from ..errors import (
 )
 from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
-from .framing import CHECKSUM_MIN, alloc_buffer, checksum_trailer
+from .framing import alloc_buffer, checksum_trailer
 from . import security as _security
 from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
 from .handshake import ACCEPTOR, CONNECTOR, run_handshake
@@ -308,16 +306,18 @@ class TCPComm(Comm):
         return size
 
     async def _send_checked(self, frames: list[Any], buffers: list[Any]) -> None:
-        """Send a large message's ``buffers`` (``[length prefix, *frames]``), hashing
-        what the kernel took after each send (in cache then: half the cost of a pass
-        of its own, done while the socket drains), then the checksum trailer."""
-        digests = _Digests(frames, _nbytes(buffers[0]))
+        """Send a large message's ``buffers`` while its checksum trailer is computed in
+        the thread pool (the sender waits for the socket most of the time: hashing then
+        costs no time of its own), then the trailer."""
+        digests = self._loop.run_in_executor(offload_executor(), checksum_trailer, frames)
         try:
-            await self._send(deque(buffers), False, digests.sent)
-            trailer = digests.trailer()
+            await self._send(deque(buffers), False)
+            trailer = await digests
             if trailer:
                 await self._send(deque([trailer]), True)
         except BaseException:
+            if not digests.done():
+                digests.cancel()
             if not self._closed:
                 self.abort()  # the frames may be out without their trailer: the stream is unusable
             raise
@@ -331,9 +331,8 @@ class TCPComm(Comm):
                 raise CommBrokenError(str(err))
             raise CommBrokenError(f"connection to {self.peer_address} is broken")
 
-    async def _send(self, views: deque[Any], started: bool = False, on_sent: Any = None) -> None:
-        """Send ``views`` (consumed); ``started``: part of the message is already out;
-        ``on_sent(n)`` is told of every ``n`` bytes the kernel took."""
+    async def _send(self, views: deque[Any], started: bool = False) -> None:
+        """Send ``views`` (consumed); ``started``: part of the message is already out."""
         sock = self._wsock
         try:
             while views:
@@ -344,8 +343,6 @@ class TCPComm(Comm):
                     continue
                 started = True
                 _advance(views, sent)
-                if on_sent is not None:
-                    on_sent(sent)
         except OSError as exc:
             self.abort()
             raise CommBrokenError(f"connection to {self.peer_address} broke: {exc}") from exc
@@ -485,35 +482,6 @@ def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
                     replaced.append(frame)
                     frames[i] = view
     return frames, replaced
-
-
-class _Digests:
-    """The checksums of a message's large frames, fed the bytes as they are sent."""
-
-    __slots__ = ("_frames", "_pos")
-
-    def __init__(self, frames: list[Any], head: int):
-        #: (start, end, view, hasher) of each frame of CHECKSUM_MIN bytes or more, by
-        #: its place in the message's bytes after the ``head`` bytes of length prefix
-        self._frames: list[tuple[int, int, memoryview, Any]] = []
-        pos = head
-        for frame in frames:
-            view = memoryview(frame).cast("B")
-            if view.nbytes >= CHECKSUM_MIN:
-                self._frames.append((pos, pos + view.nbytes, view, xxhash.xxh3_64()))
-            pos += view.nbytes
-        self._pos = 0
-
-    def sent(self, n: int) -> None:
-        start, end = self._pos, self._pos + n
-        self._pos = end
-        for a, b, view, h in self._frames:
-            if a < end and start < b:
-                h.update(view[max(start, a) - a : min(end, b) - a])
-
-    def trailer(self) -> bytes:
-        digests = [h.intdigest() for _, _, _, h in self._frames]
-        return struct.pack(f"<{len(digests)}Q", *digests) if digests else b""
 
 
 def _buffers(frames: list[Any], trailer: bytes = b"") -> tuple[list[Any], int]:

@@ -82,7 +82,7 @@ class TLSComm(TCPComm):
             self._writers -= 1
         return size
 
-    async def _send(self, views: deque[Any], started: bool = False, on_sent: Any = None) -> None:
+    async def _send(self, views: deque[Any], started: bool = False) -> None:
         self._transport.writelines(list(views))
         views.clear()
         await self._protocol.drain()
