@@ -70,6 +70,11 @@ _DEFAULTS: dict[str, Any] = {
     # many seconds for the task that makes it the host's fetcher (the scheduler's
     # message to it may come after the asker's request), then answers without it
     "host-fetch-grace": 2.0,
+    # a fetch of values from a peer (a worker's of its tasks' inputs, a client's of
+    # results) whose answer has not come within this many seconds, plus one second per
+    # 10 MB expected, fails as if the connection had broken: the next holder is asked
+    # (0: wait for ever). Above host-fetch-wait: a peer may hold a request that long
+    "fetch-timeout": 60.0,
     # after this many failed fetches from one peer in a row, a worker's tasks that need
     # a value only that peer holds err with the fetch's error instead of being handed
     # back to the scheduler (which would send them to this worker again)

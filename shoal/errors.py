@@ -14,7 +14,9 @@
     ├── DeserializationError       received bytes cannot be turned back into a value
     │   └── CorruptedDataError     a value's bytes do not match the checksum written with
     │                              them (a spill file, a frame, a segment): not used
-    ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key)
+    ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key), or
+    │                              cannot be right on this cluster (dask's "disk"
+    │                              shuffle on workers of several hosts)
     ├── InvalidKeyError            a task key the wire cannot carry (TypeError and
     │                              ValueError: wrong type, NaN, out of range, too deep)
     ├── KilledWorker               a task was running on too many workers that died
@@ -125,7 +127,9 @@ class RemoteError(ShoalError):
 
 
 class GraphError(ShoalError, ValueError):
-    """A task graph is malformed: a cycle, a reference to an unknown key, a bad key."""
+    """A task graph is malformed (a cycle, a reference to an unknown key, a bad key),
+    or would not be right on this cluster (dask's "disk" shuffle on workers of several
+    hosts)."""
 
 
 class KilledWorker(ShoalError):

@@ -27,10 +27,10 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
-from ..errors import CommError, CorruptedDataError, LostDataError, ProtocolError
+from ..errors import CommBrokenError, CommError, CorruptedDataError, LostDataError, ProtocolError
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, SAME_PROCESS, to_serialize
-from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heartbeats
+from ..rpc import BatchedSend, ConnectionPool, PooledRPC, fetch_deadline, read_batch, send_heartbeats
 from ..taskspec import RunSpec, tokenize, unique_token, validate_key
 from .cluster_ops import ClusterOps
 from .diagnostics import TaskStreamMethods
@@ -475,29 +475,30 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
     # -- results
 
     async def _wait_states(self, states: list[FutureState], timeout: float | None) -> None:
-        pending = [st for st in states if st.status not in ("finished", "error", "cancelled")]
-        if not pending:
-            return
-        # one waiter for all of them: states change on this loop and count down
+        """Return once every state is final (finished, erred, cancelled); raises
+        ``TimeoutError`` after ``timeout`` seconds, values lost and recomputed meanwhile
+        included."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        remaining = [len(pending)]
+        deadline = None if timeout is None else loop.time() + timeout
+        pending = states
+        # a future may be lost (and recomputed) after it finished: wait again
+        while pending := [st for st in pending if st.status not in ("finished", "error", "cancelled")]:
+            # one waiter for all of them: states change on this loop and count down
+            done = loop.create_future()
+            remaining = [len(pending)]
 
-        def one_done() -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0 and not done.done():
-                done.set_result(None)
+            def one_done() -> None:
+                remaining[0] -= 1
+                if remaining[0] == 0 and not done.done():
+                    done.set_result(None)
 
-        for st in pending:
-            st.on_done(one_done)
-        try:
-            await asyncio.wait_for(done, timeout)
-        except asyncio.TimeoutError:
-            left = sum(st.status not in ("finished", "error", "cancelled") for st in pending)
-            raise TimeoutError(f"{left} future(s) not done within {timeout}s") from None
-        # a future may have been lost (and be recomputing) since it finished
-        if any(st.status not in ("finished", "error", "cancelled") for st in pending):
-            await self._wait_states(pending, timeout)
+            for st in pending:
+                st.on_done(one_done)
+            try:
+                await asyncio.wait_for(done, None if deadline is None else max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                left = sum(st.status not in ("finished", "error", "cancelled") for st in pending)
+                raise TimeoutError(f"{left} future(s) not done within {timeout}s") from None
 
     def gather(self, futures: Any, errors: str = "raise") -> Any:
         """The values of ``futures`` (a future, or lists/tuples/dicts of them), in the
@@ -515,13 +516,28 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         return rebuild(futures, by_key, skipped)
 
     async def _gather_async(self, futures: list[Future], timeout: float | None = None, errors: str = "raise") -> list[Any]:
+        """The futures' values (waiting for them); raises the first erred task's
+        exception (``errors="raise"``), ``TimeoutError`` after ``timeout`` seconds
+        whatever the cluster does (a holder that never answers included), and
+        :class:`~shoal.errors.LostDataError` for values no holder hands out."""
+        if timeout is None:
+            return await self._gather_values(futures, errors)
+        # (values at hand, with no wait, are returned even with a timeout of 0)
+        limit = asyncio.timeout(timeout)
+        try:
+            async with limit:
+                return await self._gather_values(futures, errors)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            left = sum(f._state.status not in ("finished", "error", "cancelled") for f in futures)
+            raise TimeoutError(f"{len(futures)} future(s) not gathered within {timeout}s ({left} not done)") from None
+
+    async def _gather_values(self, futures: list[Future], errors: str) -> list[Any]:
         states = [f._state for f in futures]
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
         values: dict[Any, Any] = {}
         for attempt in range(20):
-            remaining = None if deadline is None else max(deadline - loop.time(), 0)
-            await self._wait_states(states, remaining)
+            await self._wait_states(states, None)
             for st in states:
                 if st.status in ("error", "cancelled") and errors == "raise":
                     assert st.exception is not None
@@ -618,8 +634,20 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         return out
 
     async def _get_data(self, worker: str, keys: list[Any]) -> dict[Any, Any]:
+        """The values ``worker`` holds of ``keys``. Raises
+        :class:`~shoal.errors.CommBrokenError` when it has not answered within the
+        fetch deadline (``fetch-timeout``), the errors of the connection, and the
+        worker's error."""
         assert self._pool is not None
-        result = await PooledRPC(self._pool, worker).get_data(keys=keys)
+        nbytes = 0
+        for k in keys:
+            st = self._states.get(k)
+            nbytes += st.nbytes if st is not None else 0
+        deadline = fetch_deadline(nbytes)
+        try:
+            result = await asyncio.wait_for(PooledRPC(self._pool, worker).get_data(keys=keys), deadline)
+        except asyncio.TimeoutError:
+            raise CommBrokenError(f"{worker} did not answer get-data within {deadline:.1f}s (fetch-timeout)") from None
         return {k: _unwrap(v) for k, v in result["data"].items()}
 
     def _scheduler_rpc(self) -> PooledRPC:

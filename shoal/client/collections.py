@@ -2,14 +2,21 @@
 
 Graphs go through dask's own conversion (:mod:`.graphs`); collections are optimized and
 lowered by dask on the client, as ``dask.compute`` does, then submitted as one graph.
+Lowering picks the methods of shuffles and rechunks: it happens under shoal's choice of
+them, and a graph that keeps data on one worker's disk is refused on a cluster that
+spans hosts (:mod:`.dask_methods`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from . import graphs
+from ..errors import GraphError
+from ..protocol import to_serialize
+from ..taskspec import RunSpec
+from . import dask_methods, graphs
 from .future import Future
 from .options import TaskOptions, apply_annotations, call_options
 
@@ -66,14 +73,20 @@ class DaskCollections:
             if not dask.is_dask_collection(coll):
                 out.append(coll)
                 continue
-            expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
-            keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
-            if len(keys) != 1:
-                raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-            graph = graphs.prepare(expr, keys)
-            parts = graph.parts() if len(colls) == 1 else None
+            with dask_methods.chosen():
+                expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
+                keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
+                if len(keys) != 1:
+                    raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
+                graph = graphs.prepare(expr, keys)
+            stores = self._check_stores(graph)
+            parts = graph.parts() if len(colls) == 1 and not stores else None
             future = Future(keys[0], self._client)
-            if parts is not None:
+            if stores:  # (an asynchronous client's: checked before it is sent)
+                graph_tasks = graph.tasks()
+                apply_annotations(graph_tasks, _annotations(expr), options)
+                self._submit_when_checked(graph_tasks, [keys[0]], stores)
+            elif parts is not None:
                 # a big graph: its first part runs while the client makes the rest
                 self._submit_parts(_annotated(parts, _annotations(expr), options))
             else:
@@ -107,16 +120,22 @@ class DaskCollections:
         dask_colls = [c for c in colls if dask.is_dask_collection(c)]
         if not dask_colls:
             return collections
-        expr = collections_to_expr(dask_colls, optimize_graph).optimize()
-        per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
-                    for k in expr.__dask_keys__()]
-        if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
-            per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
-        all_keys = [k for ks in per_coll for k in ks]
-        tasks, _ = graphs.graph_to_tasks(expr, all_keys)
+        with dask_methods.chosen():
+            expr = collections_to_expr(dask_colls, optimize_graph).optimize()
+            per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
+                        for k in expr.__dask_keys__()]
+            if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
+                per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
+            all_keys = [k for ks in per_coll for k in ks]
+            graph = graphs.prepare(expr, all_keys)
+        stores = self._check_stores(graph)
+        tasks = graph.tasks()
         apply_annotations(tasks, _annotations(expr), options)
         futures = {k: Future(k, self._client) for k in all_keys}
-        self._submit_tasks(tasks, all_keys)
+        if stores:
+            self._submit_when_checked(tasks, all_keys, stores)
+        else:
+            self._submit_tasks(tasks, all_keys)
         rebuilt = iter(
             rebuild({k: futures[k] for k in ks}, *state)
             for (rebuild, state), ks in zip((c.__dask_postpersist__() for c in dask_colls), per_coll)
@@ -135,7 +154,14 @@ class DaskCollections:
         return self._sync(self._get, dsk, keys, options)
 
     async def _get(self, dsk: Any, keys: Any, options: TaskOptions | None = None) -> Any:
-        tasks, flat_keys = graphs.graph_to_tasks(dsk, keys)
+        with dask_methods.chosen():  # (a collection given as it is is lowered here)
+            graph = graphs.prepare(dsk, keys)
+        stores = dask_methods.local_stores(graph.nodes)
+        if stores:
+            error = await self._store_refusal(stores)
+            if error is not None:
+                raise error
+        tasks, flat_keys = graph.tasks(), graph.wanted
         apply_annotations(tasks, _annotations(dsk), options or TaskOptions())
         futures = [Future(k, self._client) for k in flat_keys]
         self._submit_tasks(tasks, flat_keys)
@@ -146,6 +172,55 @@ class DaskCollections:
                 f.release()
         by_key = dict(zip(flat_keys, values))
         return graphs.pack(keys, by_key)
+
+    # -- graphs that keep data on a worker's disk (dask's "disk" shuffle)
+
+    def _check_stores(self, graph: graphs.Graph) -> list[Any]:
+        """Raise the refusal of ``graph`` (:func:`.dask_methods.refusal`) when it makes
+        a partd store and the cluster's workers span hosts; a synchronous client asks
+        the scheduler for its workers here. Returns the store keys an asynchronous
+        client still has to check (:meth:`_submit_when_checked`), else ``[]``."""
+        stores = dask_methods.local_stores(graph.nodes)
+        if not stores or self._client.asynchronous:
+            return stores
+        error = self._sync(self._store_refusal, stores)
+        if error is not None:
+            raise error
+        return []
+
+    async def _store_refusal(self, stores: list[Any]) -> GraphError | None:
+        info = await self._client._scheduler_info()
+        return dask_methods.refusal(stores, info.get("workers") or {})
+
+    def _submit_when_checked(self, tasks: list[dict[str, Any]], wanted: list[Any], stores: list[Any]) -> None:
+        """Send an asynchronous client's graph that makes partd stores once the
+        cluster's workers are known (``compute`` and ``persist`` return at once): as it
+        is on one host; on several, each store's task raises the refusal instead, so
+        the graph's futures err with it."""
+        client = self._client
+
+        async def check_then_submit() -> None:
+            try:
+                error = await self._store_refusal(stores)
+            except Exception as exc:  # (the futures must end: they err with this)
+                error = GraphError(f"could not learn the hosts of the cluster's workers: {exc}")
+            sent = tasks
+            if error is not None:
+                failing = set(stores)
+                sent = [{**t, "deps": [], "payload": to_serialize(RunSpec(dask_methods.fail_with, (error,), {}))}
+                        if t["key"] in failing else t for t in tasks]
+            with client._lock:  # (keys whose futures were dropped meanwhile are released already)
+                still = [k for k in wanted if client._refcount.get(k, 0) > 0]
+            if client.status == "running":  # (closed meanwhile: its futures are cancelled)
+                self._submit_tasks(sent, still)
+
+        checking = asyncio.ensure_future(check_then_submit())
+        _checking.add(checking)  # (the loop keeps only a weak reference to a task)
+        checking.add_done_callback(_checking.discard)
+
+
+#: the checks of asynchronous clients' graphs under way (:meth:`DaskCollections._submit_when_checked`)
+_checking: set[asyncio.Future[None]] = set()
 
 
 def _annotated(parts: Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]],

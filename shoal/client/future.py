@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections import namedtuple
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from types import TracebackType
@@ -188,6 +189,7 @@ class Future:
         st = self._state
         if not self.client.asynchronous:
             # wait in this thread; a small value that came with its report needs no loop
+            began = time.monotonic()
             if st.status not in _FINAL:
                 with waiting():  # a task that waits gives its thread up meanwhile
                     if not st.wait(timeout):
@@ -199,6 +201,8 @@ class Future:
                     return as_actor(_unwrap(st.value), self.client)
                 except Exception:
                     pass  # fetch it from its worker below
+            if timeout is not None:
+                timeout = max(timeout - (time.monotonic() - began), 0.0)  # what is left of it
         return self.client._sync(self._result, timeout)
 
     async def _result(self, timeout: float | None = None) -> Any:

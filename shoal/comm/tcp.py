@@ -57,6 +57,7 @@ from .framing import alloc_buffer, checksum_trailer
 from . import security as _security
 from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
 from .handshake import ACCEPTOR, CONNECTOR, run_handshake
+from .liveness import set_liveness, watch_window
 from .shm_family import receiving_from
 from .shm_registry import registry
 from .security import Security
@@ -133,7 +134,10 @@ class TCPComm(Comm):
             wsock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        set_liveness(wsock, config.get("tcp-timeout"))
+        timeout = config.get("tcp-timeout")
+        set_liveness(wsock, timeout)
+        # a peer that is alive but not reading keeps its connection (liveness.py)
+        self._window_watch = watch_window(wsock, timeout)
         return wsock
 
     # -- reading
@@ -380,6 +384,8 @@ class TCPComm(Comm):
         sock = self._wsock
         if sock._closed:  # type: ignore[attr-defined]
             return
+        if self._window_watch is not None:
+            self._window_watch.discard(sock)
         fut = self._writable
         if fut is not None and not fut.done():
             try:
@@ -427,28 +433,6 @@ class TCPComm(Comm):
 
     def receive_large_frames_into(self, allocate: Any, min_bytes: int) -> None:
         self._protocol.land_frames(allocate, min_bytes)
-
-
-def set_liveness(sock: socket.socket, timeout: float) -> None:
-    """Have the kernel break the connection when the peer acknowledges nothing for about
-    ``timeout`` seconds: unacknowledged data (``TCP_USER_TIMEOUT``) and, on an idle
-    connection, unanswered keepalive probes. Without it a peer behind a partition keeps
-    a fetch waiting for as long as the kernel retransmits (a quarter of an hour)."""
-    if timeout <= 0:
-        return
-    idle = max(1, int(timeout / 2))
-    probes = 3
-    interval = max(1, int((timeout - idle) / probes))
-    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", probes),
-                        ("TCP_USER_TIMEOUT", int(timeout * 1000))):
-        if hasattr(socket, name):  # Linux has them all; others keep their defaults
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    for level, option, value in options:
-        try:
-            sock.setsockopt(level, option, value)
-        except OSError:  # not a TCP socket after all, or an option this kernel lacks
-            pass
 
 
 def _advance(views: deque[Any], sent: int) -> None:

@@ -2,7 +2,7 @@
 
 from .batched import BatchedSend, read_batch, send_heartbeats, without_values
 from .core import Server, error_message, raise_error_message, request, result_of, send_recv
-from .pool import ConnectionPool, PooledRPC, rpc
+from .pool import ConnectionPool, PooledRPC, fetch_deadline, rpc
 
 __all__ = [
     "BatchedSend",
@@ -10,6 +10,7 @@ __all__ = [
     "send_heartbeats",
     "without_values",
     "ConnectionPool",
+    "fetch_deadline",
     "PooledRPC",
     "Server",
     "error_message",

@@ -14,7 +14,7 @@ from ..comm.security import Security
 from ..errors import CommClosedError
 from .core import request, result_of
 
-__all__ = ["ConnectionPool", "rpc"]
+__all__ = ["ConnectionPool", "rpc", "fetch_deadline"]
 
 
 class ConnectionPool:
@@ -175,6 +175,21 @@ class PooledRPC:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+
+#: a fetch of values is allowed one second more per this many bytes it expects
+FETCH_BYTES_PER_SECOND = 10_000_000
+
+
+def fetch_deadline(nbytes: int = 0) -> float | None:
+    """The seconds a ``get-data`` for ``nbytes`` (as expected) may take before it counts
+    as failed: ``fetch-timeout``, and a second per :data:`FETCH_BYTES_PER_SECOND`, so
+    that a large value on a slow network is not cut off; None when ``fetch-timeout``
+    is 0 (no deadline)."""
+    base = config.get("fetch-timeout")
+    if not base or base <= 0:
+        return None
+    return base + max(nbytes, 0) / FETCH_BYTES_PER_SECOND
 
 
 def rpc(address: str, deserialize: bool = True, timeout: float | None = None,

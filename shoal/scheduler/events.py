@@ -195,10 +195,14 @@ class ReplicaAddedEvent(Event):
 
 @dataclass
 class MissingDataEvent(Event):
-    """A worker asked ``errant_worker`` for ``key`` and it did not have it."""
+    """Worker ``worker`` asked ``errant_worker`` for ``key`` and did not get it (it
+    answered without it, or not at all); ``worker`` may be ``errant_worker`` itself,
+    which then says that it does not hold the key."""
 
     key: Key
     errant_worker: str
+    #: the worker that says so ("": not known, and not believed)
+    worker: str = ""
 
 
 @dataclass
@@ -288,6 +292,16 @@ class CloseWorkerStream(Instruction):
     worker: str
     #: seconds the scheduler had heard nothing from it
     silent_for: float
+    #: why it was removed, when not for its silence
+    why: str = ""
+
+
+@dataclass
+class Warn(Instruction):
+    """Log ``text`` as a warning: something a worker sent that the state did not
+    believe (a report about a task it was not given), or what it did about it."""
+
+    text: str
 
 
 @dataclass

@@ -120,6 +120,8 @@ class WorkerState:
     paused: bool = False
     #: what it said of its memory last (``worker-memory``: limit, managed, shm, ...)
     memory: dict[str, int] = field(default_factory=dict)
+    #: its reports the scheduler did not believe (about tasks it was not given)
+    disbelieved: int = 0
 
     def __repr__(self) -> str:
         return f"<WorkerState {self.address} processing={len(self.processing)} memory={len(self.has_what)}>"
@@ -156,6 +158,9 @@ class TaskState:
     nbytes: int = -1
     retries: int = 0
     suspicious: int = 0
+    #: reports, from workers sent to fetch it, that its one holder did not hand the
+    #: value out (since that holder became one)
+    unserved: int = 0
     #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
     exception: Any = None
     traceback: Any = None

@@ -93,6 +93,7 @@ from .state import (
     TaskFinishedEvent,
     UpdateDataEvent,
     UpdateGraphEvent,
+    Warn,
 )
 
 __all__ = ["Scheduler"]
@@ -426,7 +427,7 @@ class Scheduler:
                                           ts.group.name if ts is not None and ts.group is not None else None)
                 self._apply(TaskErredEvent(sid, address, msg.key, msg.exception, msg.traceback, msg.text))
             case MissingDataMsg():
-                self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker))
+                self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker, address))
             case AddReplicaMsg():
                 self._apply(ReplicaAddedEvent(sid, address, msg.key, msg.shm))
             case RescheduleMsg():
@@ -597,14 +598,19 @@ class Scheduler:
                     resources=inst.resources,
                 ))
         elif isinstance(inst, CloseWorkerStream):
-            logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
-                           inst.worker, inst.silent_for, self.state.worker_ttl)
+            if inst.why:
+                logger.warning("%s; its tasks go elsewhere", inst.why)
+            else:
+                logger.warning("worker %s was silent for %.1f s (worker-ttl is %g s): removed; its tasks go elsewhere",
+                               inst.worker, inst.silent_for, self.state.worker_ttl)
             stream = self.worker_streams.get(inst.worker)
             if stream is not None:
                 # its handler then sees the connection end, as for a worker that died
                 stream.abort()
         elif isinstance(inst, FreeKeys):
             self._send_worker(inst.worker, to_wire(FreeKeysMsg(inst.keys, inst.stimulus_id)), lazy=True)
+        elif isinstance(inst, Warn):
+            logger.warning("%s (stimulus %s)", inst.text, inst.stimulus_id)
         elif isinstance(inst, ClientMsg):
             stream = self.client_streams.get(inst.client)
             if stream is not None:

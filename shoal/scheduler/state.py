@@ -57,6 +57,16 @@ Liveness (:mod:`.liveness`, time arrives only in ``HeartbeatEvent`` and
 ``CheckLivenessEvent``): a worker silent for ``worker_ttl`` is removed as if it had
 died, since a task that freezes its worker is as fatal as one that kills it.
 
+Trust (:mod:`.reports`, the base class of this one, above the placement; workers are
+authenticated, but may be buggy): a report about a task is believed only from the
+worker the task was sent to (``task-finished``, ``task-erred``, ``reschedule``,
+``long-running``); ``add-replica`` and a peer's ``missing-data`` only from a worker sent
+a task that needs the value. A ``task-finished`` or ``add-replica`` not believed makes
+the worker free the key; such reports are logged (:class:`Warn`). A holder's word that
+it lacks a value is believed; a peer's drops that holder when there are others, never
+the last one at once: that holder is removed from the cluster once ``max_unserved``
+workers sent to fetch the value said they did not get it.
+
 The scheduler never looks inside a task's payload: it holds it opaque and forwards it.
 """
 
@@ -96,6 +106,7 @@ from .events import (
     TaskFinishedEvent,
     UpdateDataEvent,
     UpdateGraphEvent,
+    Warn,
     WorkerMemoryEvent,
 )
 from .liveness import expired, note_seen
@@ -112,7 +123,7 @@ from .model import (
 )
 from ..protocol.messages import Key
 from ..statelog import StateLog, Transition
-from .placement import Placement
+from .reports import MAX_UNSERVED, WorkerReports
 from .validation import validate_state
 
 
@@ -148,6 +159,7 @@ __all__ = [
     "FreeKeys",
     "ClientMsg",
     "CloseWorkerStream",
+    "Warn",
 ]
 
 
@@ -163,11 +175,11 @@ _BIG_GRAPH = 10_000
 REFUSED_KEYS = 100_000
 
 
-class SchedulerState(Placement):
+class SchedulerState(WorkerReports):
     """Tasks, workers and clients; ``handle(*events) -> list[instruction]``."""
 
     def __init__(self, ahead: int = DEFAULT_AHEAD, allowed_failures: int = ALLOWED_FAILURES, log_size: int = 10_000,
-                 worker_ttl: float = 0.0):
+                 worker_ttl: float = 0.0, max_unserved: int = MAX_UNSERVED):
         self.tasks: dict[Key, TaskState] = {}
         self.workers: dict[str, WorkerState] = {}
         self.clients: set[str] = set()
@@ -179,6 +191,9 @@ class SchedulerState(Placement):
         #: moving average of task run times (seconds), reported by workers
         self.average_duration = 0.0
         self.allowed_failures = allowed_failures
+        if max_unserved < 1:
+            raise ValueError(f"max_unserved must be >= 1, got {max_unserved}")
+        self.max_unserved = max_unserved
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
         self.queued = Queue()
@@ -504,36 +519,6 @@ class SchedulerState(Placement):
                 key, text=f"GraphError: {reason}", kind="GraphError", blame=key,
             ))))
 
-    def _task_finished(self, ev: TaskFinishedEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ws is None:
-            return
-        if ts is None or ts.state not in ("processing", "memory") or (ts.state == "processing" and ts.processing_on is not ws):
-            # a result nobody wants any more (released or moved meanwhile)
-            if ts is None or ws not in ts.who_has:
-                self._emit(FreeKeys(self._stimulus, ws.address, [ev.key]))
-            return
-        self._record_duration(ev.duration)
-        if ts.state == "memory":
-            self._add_replica(ts, ws, ev.shm)
-            return
-        ts.nbytes = ev.nbytes
-        ts.shm = {ws.address: ev.shm} if ev.shm is not None else None
-        ts.inline = ev.value
-        self._recommend(self._transition(ts, "memory", ws))
-
-    def _task_erred(self, ev: TaskErredEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
-            return
-        if ts.retries > 0:
-            ts.retries -= 1
-            self._recommend(self._transition(ts, "waiting"))
-        else:
-            self._recommend(self._transition(ts, "erred", ev.exception, ev.traceback, ev.exception_text))
-
     def _release_keys(self, ev: ReleaseKeysEvent) -> None:
         recs: dict[TaskState, str] = {}
         for key in ev.keys:
@@ -617,47 +602,6 @@ class SchedulerState(Placement):
                     continue
                 self._drop_replica(ts, ws)
                 self._emit(FreeKeys(self._stimulus, ws.address, [key]))
-
-    def _replica_added(self, ev: ReplicaAddedEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ws is None:
-            return
-        if ts is None or ts.state != "memory":
-            # not wanted any more (or being computed again): the copy goes
-            if ts is None or ws not in ts.who_has:
-                self._emit(FreeKeys(self._stimulus, ws.address, [ev.key]))
-            return
-        self._add_replica(ts, ws, ev.shm)
-
-    def _missing_data(self, ev: MissingDataEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.errant_worker)
-        if ts is None or ws is None or ws not in ts.who_has:
-            return
-        self._drop_replica(ts, ws)
-        # a copy it may still hold goes too: uncounted here, nothing would ever free it
-        # (its memory, its spill file)
-        self._emit(FreeKeys(self._stimulus, ws.address, [ts.key]))
-        if not ts.who_has and ts.state == "memory":
-            recs: dict[TaskState, str] = {}
-            self._lost_value(ts, recs)
-            self._recommend(recs)
-
-    def _reschedule(self, ev: RescheduleEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
-            return
-        self._recommend(self._transition(ts, "waiting"))
-
-    def _long_running(self, ev: LongRunningEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.state != "processing" or ts.processing_on is not ws:
-            return
-        ws.long_running.add(ts)  # its slot is free: handle() fills it from the queue
-        self._touch(ws)
 
     def _worker_memory(self, ev: WorkerMemoryEvent) -> None:
         ws = self.workers.get(ev.worker)

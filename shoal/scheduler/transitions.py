@@ -444,6 +444,7 @@ class TaskTransitions:
         workers of its host map; the first such copy per host is the one passed on)."""
         if ws not in ts.who_has:
             ts.add_holder(ws)
+            ts.unserved = 0  # (counted against a one holder: see SchedulerState._missing_data)
             ws.has_what.add(ts)
             ws.nbytes += max(ts.nbytes, 0)
             if ts.fetchers:

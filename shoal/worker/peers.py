@@ -1,5 +1,7 @@
 """What a worker asks of its peers and serves them: the fetches of its tasks' inputs
-(``get-data`` to the holders, retried while a failure may pass; values from another
+(``get-data`` to the holders, retried while a failure may pass, given up on when the
+holder has not answered within ``fetch-timeout`` as if it had broken the connection;
+values from another
 host kept in shared memory for the workers of this host, landed there by the socket
 itself), the mapping of inputs that same-host peers placed in segments, and its answer
 to ``get-data``, which waits for a value this worker is fetching itself (the
@@ -16,9 +18,9 @@ from typing import Any
 
 from .. import config
 from ..comm import Comm, shm, shm_born, shm_family
-from ..errors import CorruptedDataError, SerializationError, describe, short_repr
+from ..errors import CommBrokenError, CorruptedDataError, SerializationError, describe, short_repr
 from ..protocol import REMOTE, sizeof, to_serialize
-from ..rpc import ConnectionPool
+from ..rpc import ConnectionPool, fetch_deadline
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
@@ -105,12 +107,22 @@ class PeerData:
         if self.use_shm and comm.destination == REMOTE:
             # large values land in pooled segments: keeping them for this host is no copy
             comm.receive_large_frames_into(shm_born.land, shm_family.TRANSFER_MIN_BYTES)
-        try:
-            request: dict[str, Any] = {"op": "get-data", "reply": True, "keys": inst.keys}
-            if comm.destination != REMOTE:
-                request["host_fetch"] = True  # the peer may be this host's fetcher of them
+        request: dict[str, Any] = {"op": "get-data", "reply": True, "keys": inst.keys}
+        if comm.destination != REMOTE:
+            request["host_fetch"] = True  # the peer may be this host's fetcher of them
+
+        async def exchange() -> Any:
             await comm.write(request)
-            response = await comm.read()
+            return await comm.read()
+
+        deadline = fetch_deadline(inst.total_nbytes)
+        try:
+            response = await asyncio.wait_for(exchange(), deadline)
+        except asyncio.TimeoutError:
+            comm.abort()
+            # a holder that never answers is as good as one that broke the connection
+            raise CommBrokenError(f"{inst.worker} did not answer get-data within {deadline:.1f}s "
+                                  "(fetch-timeout)") from None
         except BaseException:
             comm.abort()
             raise

@@ -35,7 +35,11 @@ machine is deterministic (no clock, no set order: ties break by creation order).
 messages it sends carry the id of the stimulus that caused them (``stimulus_id``).
 
 A fetch that fails (the server has already retried it, with backoff, as often as
-``gather-attempts`` says) counts against its peer. After ``max_peer_failures`` failed
+``gather-attempts`` says, or its holder did not answer within ``fetch-timeout``)
+counts against its peer. A holder that answers without a key is reported
+(``missing-data``) once and the next holder asked; with none left the tasks that need
+the key go back to the scheduler, which decides whether to believe that holder still
+(:mod:`shoal.scheduler.reports`): nothing here asks one holder twice for one task. After ``max_peer_failures`` failed
 fetches from one peer in a row, the tasks that need a value only that peer holds err
 with the fetch's error instead of going back to the scheduler once more: the scheduler
 would send them here again, and the same fetch would fail again (a peer this worker

@@ -47,12 +47,26 @@ def require_hosts() -> None:
         pytest.skip(why)
 
 
+#: where the processes of a test host started with ``scratch=True`` see their host's
+#: own scratch directory (its TMPDIR and its workers' local directory)
+SCRATCH = "scratch"
+
+
+def _on_own_scratch(own: Path, seen_at: Path, argv: list[str]) -> list[str]:
+    """``argv`` run with directory ``own`` mounted on ``seen_at`` (in the host's private
+    mount namespace: the other hosts still see their own there), like a disk of its own."""
+    return ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"', str(own), str(seen_at), *argv]
+
+
 @contextlib.contextmanager
 def host_cluster(base: Path, n_hosts: int = 3, env: dict[str, str] | None = None,
-                 shm_size: str = "256m") -> Iterator[dict[str, Any]]:
+                 shm_size: str = "256m", scratch: bool = False) -> Iterator[dict[str, Any]]:
     """A cluster on ``n_hosts`` test hosts; yields ``{"hosts", "address", "env",
     "workers": {host name: [worker address, ...]}}``. ``env`` is added to every
-    process's environment (settings such as ``SHOAL_WORKER_TTL``)."""
+    process's environment (settings such as ``SHOAL_WORKER_TTL``). With ``scratch``,
+    each host's workers have a scratch directory of their host's own, seen by all at
+    the same path ``base/SCRATCH`` (their TMPDIR and local directory), as if each host
+    had its own disk; ``"scratch"`` then maps each host's name to its directory."""
     require_hosts()
     secret = base / "secret"
     secret.write_text(secrets.token_hex(32))
@@ -65,13 +79,23 @@ def host_cluster(base: Path, n_hosts: int = 3, env: dict[str, str] | None = None
                       "--no-dashboard", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True, env=env)
         assert s.stdout is not None and s.stdout.readline().startswith("shoal scheduler at "), s.poll()
         workers: dict[str, list[str]] = {}
+        scratches: dict[str, str] = {}
+        seen_at = base / SCRATCH
         for h in hosts[1:]:
-            w = h.popen([sys.executable, "-m", "shoal", "worker", address, "--host", h.ip, "--nworkers", "2",
-                         "--memory-limit", "0", "--auth-file", str(secret)], stdout=subprocess.PIPE, text=True,
-                        env=env)
+            argv = [sys.executable, "-m", "shoal", "worker", address, "--host", h.ip, "--nworkers", "2",
+                    "--memory-limit", "0", "--auth-file", str(secret)]
+            worker_env = env
+            if scratch:
+                seen_at.mkdir(exist_ok=True)
+                own = base / f"{SCRATCH}-{h.name}"
+                own.mkdir()
+                scratches[h.name] = str(own)
+                argv = _on_own_scratch(own, seen_at, argv)
+                worker_env = {**env, "TMPDIR": str(seen_at), "SHOAL_LOCAL_DIRECTORY": str(seen_at)}
+            w = h.popen(argv, stdout=subprocess.PIPE, text=True, env=worker_env)
             assert w.stdout is not None
             workers[h.name] = sorted(w.stdout.readline().split()[-1] for _ in range(2))
-        yield {"hosts": hosts, "address": address, "env": env, "workers": workers}
+        yield {"hosts": hosts, "address": address, "env": env, "workers": workers, "scratch": scratches}
     assert not os.path.exists(str(base / "auth")) or not os.listdir(base / "auth")
 
 

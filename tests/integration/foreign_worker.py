@@ -71,7 +71,7 @@ class ForeignWorker:
     released (renamed away, kept for reuse) when their keys are freed."""
 
     def __init__(self, scheduler_address: str, name: str = "foreign", deadline: float = 120.0,
-                 shm: bool = False, secret: bytes | None = None):
+                 shm: bool = False, secret: bytes | None = None, port: int = 0):
         self.scheduler_address = scheduler_address
         #: the cluster's secret (§3.1), proven on every connection
         self.secret = find_secret(scheduler_address) if secret is None else secret
@@ -105,13 +105,15 @@ class ForeignWorker:
         self._listener: socket.socket | None = None
         self._stream: socket.socket | None = None
         self.address = ""
+        #: the port to listen on (0: any free one)
+        self.port = port
 
     # lifecycle (§10)
 
     def start(self) -> ForeignWorker:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._track(listener)
-        listener.bind(("127.0.0.1", 0))
+        listener.bind(("127.0.0.1", self.port))
         listener.listen(64)
         self._listener = listener
         self.address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
@@ -360,11 +362,7 @@ class ForeignWorker:
                 op = msg["op"]
                 acks: list[int] = []
                 if op == "get-data":
-                    with self._lock:
-                        held = {k: self.data[k] for k in msg.get("keys") or () if k in self.data}
-                    self.served.extend(held)
-                    data = {k: pickled(v) for k, v in held.items()}
-                    response: dict[str, Any] = {"status": "OK", "result": {"data": data}}
+                    response: dict[str, Any] = self._get_data(list(msg.get("keys") or ()))
                 elif op == "update-data":
                     values = {k: value_of(v, acks) for k, v in (msg.get("data") or {}).items()}
                     for k, v in values.items():
@@ -386,6 +384,14 @@ class ForeignWorker:
                     send_frames(conn, encode(response), time.monotonic() + OP_TIMEOUT)
         finally:
             self._untrack(conn)
+
+
+    def _get_data(self, keys: list[Any]) -> dict[str, Any]:
+        """The response to get-data (§8.1): the values held of ``keys``."""
+        with self._lock:
+            held = {k: self.data[k] for k in keys if k in self.data}
+        self.served.extend(held)
+        return {"status": "OK", "result": {"data": {k: pickled(v) for k, v in held.items()}}}
 
 
 class _AnyEvent:

@@ -90,8 +90,9 @@ class Sched:
     def scatter(self, who_has: dict[Any, list[str]], nbytes: dict[Any, int] | None = None, client: str = "c") -> list[Any]:
         return self(UpdateDataEvent(self.sid(), client, who_has, nbytes or {k: 1 for k in who_has}))
 
-    def missing(self, key: Any, errant_worker: str) -> list[Any]:
-        return self(MissingDataEvent(self.sid(), key, errant_worker))
+    def missing(self, key: Any, errant_worker: str, by: str | None = None) -> list[Any]:
+        """``by`` (default: the errant worker itself) did not get ``key`` from it."""
+        return self(MissingDataEvent(self.sid(), key, errant_worker, errant_worker if by is None else by))
 
     def reschedule(self, worker: str, key: Any) -> list[Any]:
         return self(RescheduleEvent(self.sid(), worker, key))

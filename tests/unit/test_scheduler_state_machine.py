@@ -183,11 +183,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.apply(CancelKeysEvent(self.h.sid(), client, [self.pick(list(self.h.state.tasks), i)]))
 
     @precondition(lambda self: any(ts.state == "memory" for ts in self.h.state.tasks.values()))
-    @rule(i=st.integers(0, 100), j=st.integers(0, 100))
-    def missing_data(self, i: int, j: int) -> None:
+    @rule(i=st.integers(0, 100), j=st.integers(0, 100), k=st.integers(-1, 100))
+    def missing_data(self, i: int, j: int, k: int) -> None:
+        # the holder itself (k < 0) or any worker, sent to fetch it or not, says so
         ts = self.pick([t for t in self.h.state.tasks.values() if t.state == "memory"], i)
         ws = self.pick(list(ts.who_has), j)
-        self.apply(MissingDataEvent(self.h.sid(), ts.key, ws.address))
+        by = ws.address if k < 0 else self.pick(sorted(self.h.state.workers), k)
+        self.apply(MissingDataEvent(self.h.sid(), ts.key, ws.address, by))
 
     @precondition(lambda self: self.h.state.workers)
     @rule(client=st.sampled_from(CLIENTS), i=st.integers(0, 100), existing=st.booleans())

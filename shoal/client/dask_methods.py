@@ -1,0 +1,191 @@
+"""The methods dask's all-to-all exchanges use on a shoal cluster.
+
+dask picks how to shuffle a dataframe (``shuffle``, ``merge``, ``set_index``,
+``sort_values``, a groupby's or ``drop_duplicates``' ``split_out``) and how to rechunk
+an array when it lowers the expression: mostly inside ``.compute()``, before any
+scheduler sees the graph. Finding no dask.distributed client it picks ``"disk"`` for
+dataframes: a partd directory on the local disk of whichever worker runs the first
+task, which the other tasks then write into and read from by its path. That is right
+only while every worker sees that directory (one host) and no task runs twice (a split
+recomputed after a worker died appends its rows again). ``"tasks"`` is right on any
+cluster, so until shoal has a shuffle of its own, dask is made to pick it:
+
+- while a shoal client is the default, or one lowers a collection
+  (``client.compute``/``persist``/``get``), dask's config holds ``"tasks"`` for each
+  method the user left unset (:func:`hold`, :func:`release`, :func:`chosen`); when
+  the last holder lets go, each setting still at shoal's choice goes back to what it
+  was;
+- a graph that still makes a partd store (``method="disk"`` asked for, or a graph
+  lowered elsewhere) is refused when the cluster's workers span hosts
+  (:func:`local_stores`, :func:`refusal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..comm.core import parse_address
+from ..errors import GraphError
+
+__all__ = ["METHODS", "chosen", "hold", "release", "local_stores", "refusal", "fail_with"]
+
+#: dask config key -> the method shoal has dask use when the user set none
+METHODS = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
+
+_lock = threading.Lock()
+_holders = 0
+#: what each key set by shoal held before (``_MISSING``: it was not there)
+_before: dict[str, Any] = {}
+_MISSING = object()
+
+
+def _dask_config() -> Any:
+    try:
+        import dask.config
+    except ImportError:
+        return None
+    return dask.config
+
+
+def hold() -> None:
+    """From now on until the matching :func:`release`, dask picks :data:`METHODS` for
+    the methods the user left unset (``None`` or absent in dask's config)."""
+    global _holders
+    with _lock:
+        _holders += 1
+        if _holders > 1:
+            return
+        cfg = _dask_config()
+        if cfg is None:
+            return
+        for key, method in METHODS.items():
+            value = cfg.get(key, _MISSING)
+            if value is None or value is _MISSING:
+                _before[key] = value
+                cfg.set({key: method})
+
+
+def release() -> None:
+    """Undo one :func:`hold`; after the last, each method still at shoal's choice is
+    what it was before (a setting the user made meanwhile stays)."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            return
+        _holders -= 1
+        if _holders > 0:
+            return
+        cfg = _dask_config()
+        before = dict(_before)
+        _before.clear()
+        if cfg is None:
+            return
+        for key, value in before.items():
+            if cfg.get(key, None) != METHODS[key]:
+                continue  # the user's own choice since: it stands
+            if value is _MISSING:
+                _remove(cfg.config, key.split("."))
+            else:
+                cfg.set({key: value})
+
+
+def _remove(config: dict[str, Any], path: list[str]) -> None:
+    """Take ``path`` (a key split at its dots) out of dask's nested ``config``."""
+    for part in path[:-1]:
+        config = config.get(part)  # type: ignore[assignment]
+        if not isinstance(config, dict):
+            return
+    config.pop(path[-1], None)
+
+
+@contextlib.contextmanager
+def chosen() -> Iterator[None]:
+    """A block in which dask picks :data:`METHODS` for the methods the user left
+    unset (what lowering a collection for a shoal cluster needs)."""
+    hold()
+    try:
+        yield
+    finally:
+        release()
+
+
+# -- graphs that keep data on a worker's local disk
+
+def local_stores(nodes: Mapping[Any, Any]) -> list[Any]:
+    """The keys of the tasks of ``nodes`` (key -> dask task-spec node) that make a
+    partd store: dask's ``"disk"`` shuffle of a dataframe
+    (``dask.dataframe.shuffle.maybe_buffered_partd``) or of a bag (``partd.*``). The
+    store lives in a directory of the local disk of the worker that runs that task;
+    the shuffle's other tasks reach it by its path, wherever they run."""
+    found = []
+    for key, node in nodes.items():
+        func = getattr(node, "func", None)
+        if func is not None and _makes_store(func):
+            found.append(key)
+    return found
+
+
+def _makes_store(func: Any) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return _defines_store(func if isinstance(func, type) else type(func))
+
+
+@functools.lru_cache(maxsize=1024)
+def _defines_store(cls: type) -> bool:
+    module = getattr(cls, "__module__", None) or ""
+    return module.partition(".")[0] == "partd" or (
+        module == "dask.dataframe.shuffle" and cls.__qualname__ == "maybe_buffered_partd")
+
+
+def refusal(stores: list[Any], workers: Mapping[str, Mapping[str, Any]]) -> GraphError | None:
+    """The error for a graph whose tasks ``stores`` make a partd store (see
+    :func:`local_stores`) on a cluster whose ``workers`` (``scheduler_info()
+    ["workers"]``) span more than one host; None when they are on one host (or
+    there is no store)."""
+    if not stores:
+        return None
+    hosts = _hosts(workers)
+    if len(hosts) < 2:
+        return None
+    listed = "; ".join(f"{host}: {', '.join(sorted(addresses))}" for host, addresses in sorted(hosts.items()))
+    return GraphError(
+        f"dask's 'disk' shuffle keeps its pieces in a directory on the local disk of one worker, and on "
+        f"workers that do not share that disk it loses rows; this cluster's workers are on {len(hosts)} "
+        f"hosts ({listed}). Use the 'tasks' method (shuffle_method='tasks', a bag's shuffle='tasks', "
+        f"dask.config.set({{'dataframe.shuffle.method': 'tasks'}})), or leave the method unset: shoal then "
+        f"has dask use 'tasks'. The graph's partd store: {stores[0]!r}")
+
+
+def _hosts(workers: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The workers' addresses by host. Two workers are taken to share a disk only when
+    both their addresses' IP and their host identity (hostname, boot, shared-memory
+    device) agree: either differing may mean another machine or container."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for address, info in workers.items():
+        groups.setdefault((_ip(address), str(info.get("host") or "")), []).append(address)
+    ips = [ip for ip, _ in groups]
+    return {(ip if ip and ips.count(ip) == 1 else f"{ip or 'in-process'} {identity}".strip()): addresses
+            for (ip, identity), addresses in groups.items()}
+
+
+def _ip(address: str) -> str:
+    """The host part of a tcp or tls ``address`` (``""`` for other schemes)."""
+    try:
+        scheme, location = parse_address(address)
+    except TypeError:
+        return ""
+    if scheme not in ("tcp", "tls"):
+        return ""
+    return location.rpartition(":")[0].strip("[]")
+
+
+def fail_with(error: BaseException) -> None:
+    """The function of a task put in place of a refused store's (on an asynchronous
+    client, whose graph is checked after ``compute`` returned): running it raises the
+    refusal, so the graph's futures err with it."""
+    raise error

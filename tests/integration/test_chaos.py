@@ -1,0 +1,49 @@
+"""Never a wrong answer: mixed graphs checked against pandas/numpy/plain Python while
+worker processes are killed (-9) at random points (shoal.chaos). A longer run is
+``python bench/chaos.py``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import shoal
+from shoal import config
+from shoal.chaos import GRAPHS, kill_a_worker, run_chaos
+
+pytest.importorskip("dask.dataframe")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _check(report: shoal.chaos.ChaosReport) -> None:
+    assert not report.wrong, report.summary() + "\n" + "\n".join(report.wrong)
+    assert not report.hangs, report.summary() + "\n" + "\n".join(report.hangs)
+    # the one error a kill may cause: a task that was on allowed_failures workers that died
+    others = [e for e in report.errors if ": KilledWorker: " not in e]
+    assert not others, "\n".join(others)
+
+
+def test_every_kind_of_graph_is_right_without_faults():
+    """The checks themselves: each kind of graph, on worker processes, matches its
+    local result when nothing dies (so a kill run that passes means something)."""
+    with shoal.Client(n_workers=2, processes=True, dashboard_address=None) as client:
+        for kind in GRAPHS:
+            report = run_chaos(client, None, graphs=1, seed=11, kinds=[kind])
+            assert report.graphs[kind] == 1
+            _check(report)
+            assert not report.errors
+
+
+def test_graphs_stay_right_while_workers_are_killed():
+    """Kill -9 of a random worker process every 1-3 s while graphs of every kind
+    run, on workers whose small memory limit makes them spill; their nannies restart
+    them. No graph may come back wrong or hang."""
+    with config.set(nanny_max_restarts=10_000):
+        with shoal.Client(n_workers=2, processes=True, dashboard_address=None,
+                          memory_limit="300MB") as client:
+            report = run_chaos(client, kill_a_worker(client, random.Random(5)), seconds=30, seed=5,
+                               kill_every=(1.0, 3.0), deadline=60)
+    _check(report)
+    assert report.kills >= 5 and report.total >= 10, report.summary()

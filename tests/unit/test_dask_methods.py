@@ -1,0 +1,108 @@
+"""shoal.client.dask_methods without a cluster: dask's config while shoal holds the
+methods, the partd stores found in dask graphs, and which workers count as one host."""
+
+from __future__ import annotations
+
+import copy
+
+import dask
+import dask.bag as db
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+
+from shoal import GraphError
+from shoal.client import dask_methods
+from shoal.client.graphs import prepare
+
+SHUFFLE = "dataframe.shuffle.method"
+RECHUNK = "array.rechunk.method"
+
+
+def test_holding_sets_the_unset_methods_and_releasing_restores_the_config_exactly():
+    before = copy.deepcopy(dask.config.config)
+    dask.config.config["array"]["rechunk"].pop("method", None)  # absent, not None
+    absent = copy.deepcopy(dask.config.config)
+    try:
+        dask_methods.hold()
+        dask_methods.hold()
+        assert dask.config.get(SHUFFLE) == "tasks" and dask.config.get(RECHUNK) == "tasks"
+        dask_methods.release()
+        assert dask.config.get(SHUFFLE) == "tasks"  # one holder left
+        dask_methods.release()
+        assert dask.config.config == absent
+        dask_methods.release()  # one too many: nothing happens
+        assert dask.config.config == absent
+    finally:
+        dask.config.config.clear()
+        dask.config.config.update(before)
+
+
+def test_the_users_choice_stands_before_and_while_shoal_holds():
+    with dask.config.set({SHUFFLE: "disk"}):
+        with dask_methods.chosen():
+            assert dask.config.get(SHUFFLE) == "disk" and dask.config.get(RECHUNK) == "tasks"
+        assert dask.config.get(SHUFFLE) == "disk" and dask.config.get(RECHUNK) is None
+    with dask.config.set({SHUFFLE: None}):
+        with dask_methods.chosen():
+            with dask.config.set({SHUFFLE: "disk"}):
+                assert dask.config.get(SHUFFLE) == "disk"
+            assert dask.config.get(SHUFFLE) == "tasks"
+            dask.config.set({RECHUNK: "p2p"})  # the user's, for good
+        assert dask.config.get(SHUFFLE) is None and dask.config.get(RECHUNK) == "p2p"
+        dask.config.set({RECHUNK: None})
+
+
+def _frame() -> dd.DataFrame:
+    return dd.from_pandas(pd.DataFrame({"k": range(40), "v": range(40)}), npartitions=4)
+
+
+def _nodes(coll):
+    from dask._expr import FinalizeCompute
+    from dask.base import collections_to_expr
+
+    expr = FinalizeCompute(collections_to_expr([coll], True)).optimize()
+    return prepare(expr, list(expr.__dask_keys__())).nodes
+
+
+def test_the_partd_stores_of_dasks_disk_shuffles_are_found():
+    frame = _nodes(_frame().shuffle("k", shuffle_method="disk"))
+    (store,) = dask_methods.local_stores(frame)
+    assert store[0].startswith("zpartd-")
+    bag = _nodes(db.from_sequence(range(20), npartitions=2).groupby(lambda i: i % 3, shuffle="disk"))
+    (store,) = dask_methods.local_stores(bag)
+    assert store[0].startswith("partd-")
+    assert dask_methods.local_stores(_nodes(_frame().shuffle("k", shuffle_method="tasks"))) == []
+    assert dask_methods.local_stores(_nodes(_frame().groupby("k").v.sum())) == []
+
+
+def _worker(host: str) -> dict:
+    return {"host": host, "nthreads": 1}
+
+
+def test_workers_of_one_ip_and_one_host_identity_may_share_a_disk():
+    one = {"tcp://10.0.0.1:4001": _worker("a/boot/1"), "tcp://10.0.0.1:4002": _worker("a/boot/1")}
+    assert dask_methods.refusal([("zpartd-1",)], one) is None
+    inproc = {"inproc://x/1": _worker("a/boot/1"), "inproc://x/2": _worker("a/boot/1")}
+    assert dask_methods.refusal([("zpartd-1",)], inproc) is None
+    two = {"tcp://10.0.0.1:4001": _worker("a/boot/1"), "tcp://10.0.0.2:4001": _worker("b/boot/1")}
+    assert dask_methods.refusal([], two) is None  # no store: nothing to refuse
+
+
+@pytest.mark.parametrize(("workers", "named"), [
+    ({"tcp://10.0.0.1:1": _worker("a/boot/1"), "tcp://10.0.0.2:1": _worker("b/boot/1")},
+     ["10.0.0.1: tcp://10.0.0.1:1", "10.0.0.2: tcp://10.0.0.2:1"]),
+    # one address, two shared-memory domains: containers of one network namespace
+    ({"tcp://10.0.0.1:1": _worker("a/boot/1"), "tcp://10.0.0.1:2": _worker("a/boot/2")},
+     ["10.0.0.1 a/boot/1: tcp://10.0.0.1:1", "10.0.0.1 a/boot/2: tcp://10.0.0.1:2"]),
+    # one machine's identity, two addresses: shoal cannot tell it from two machines
+    ({"tcp://127.0.0.1:1": _worker("a/boot/1"), "tcp://[::1]:2": _worker("a/boot/1")},
+     ["127.0.0.1: tcp://127.0.0.1:1", "::1: tcp://[::1]:2"]),
+])
+def test_workers_that_may_not_share_a_disk_refuse_a_partd_store(workers, named):
+    error = dask_methods.refusal([("zpartd-abc",)], workers)
+    assert isinstance(error, GraphError) and isinstance(error, ValueError)
+    text = str(error)
+    assert "'disk' shuffle" in text and "on 2 hosts" in text and "zpartd-abc" in text
+    for host in named:
+        assert host in text
