@@ -150,26 +150,39 @@ class DaskCollections:
         lists of keys), so ``dask.compute(x, scheduler=client.get)`` works. Raises
         ``KeyError`` for a requested key not in the graph and :class:`GraphError` for a
         cycle."""
+        # The graph is made here, on the caller's thread, never on the client's event
+        # loop: making a dask expression's graph runs dask's code, which may need a lock
+        # the caller holds while it waits for this call (Python 3.11's cached_property
+        # holds one lock per class: set_index computes divisions inside one, and the
+        # graph of that computation reads other frames' divisions), and would stall
+        # the loop meanwhile.
         options = call_options(workers, resources, priority, retries, allow_other_workers)
-        return self._sync(self._get, dsk, keys, options)
-
-    async def _get(self, dsk: Any, keys: Any, options: TaskOptions | None = None) -> Any:
         with dask_methods.chosen():  # (a collection given as it is is lowered here)
             graph = graphs.prepare(dsk, keys)
-        stores = dask_methods.local_stores(graph.nodes)
-        if stores:
-            error = await self._store_refusal(stores)
-            if error is not None:
-                raise error
+        stores = self._check_stores(graph)
         tasks, flat_keys = graph.tasks(), graph.wanted
-        apply_annotations(tasks, _annotations(dsk), options or TaskOptions())
+        apply_annotations(tasks, _annotations(dsk), options)
         futures = [Future(k, self._client) for k in flat_keys]
-        self._submit_tasks(tasks, flat_keys)
+        try:
+            if stores:
+                self._submit_when_checked(tasks, flat_keys, stores)
+            else:
+                self._submit_tasks(tasks, flat_keys)
+        except BaseException:
+            for f in futures:
+                f.release()
+            raise
+        return self._sync(self._get_values, futures, keys)
+
+    async def _get_values(self, futures: list[Future], keys: Any) -> Any:
+        """The values of ``futures`` (of ``keys``' flattened), in the shape of ``keys``;
+        the futures released whatever happens."""
         try:
             values = await self._gather_async(futures)
         finally:
             for f in futures:
                 f.release()
+        flat_keys = [f.key for f in futures]
         by_key = dict(zip(flat_keys, values))
         return graphs.pack(keys, by_key)
 

@@ -9,8 +9,9 @@ estimated from a sample of their items. Types registered here with
 not dask is there.
 
 It never raises: a user's ``__sizeof__`` or ``nbytes`` may raise anything, and such a
-value then counts as 64 bytes. This is not the hot-path :func:`shoal.protocol.sizeof`
-(every result, every transfer), which stays a cheaper, rougher guess.
+value then counts as 64 bytes. The hot-path :func:`shoal.protocol.sizeof` (every
+result, every transfer) takes an object's ``nbytes`` and guesses plain containers from
+their own size, and asks this for the rest.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ def _register_builtin(*types: type) -> Callable[[_F], _F]:
     return register
 
 
-def managed_sizeof(obj: Any) -> int:
-    """Bytes ``obj`` holds (see the module); never raises, and never less than 0."""
+def managed_sizeof(obj: Any, strict: bool = False) -> int:
+    """Bytes ``obj`` holds (see the module), never less than 0. It never raises; with
+    ``strict``, what the value's own measure (its ``__sizeof__``, a registered size
+    function) raises is raised instead of counting it as :data:`UNKNOWN_SIZE`."""
     t = type(obj)
     if t in _LEN:
         return len(obj)
@@ -98,6 +101,8 @@ def managed_sizeof(obj: Any) -> int:
     except KeyboardInterrupt:
         raise
     except BaseException:  # noqa: BLE001 - a user's __sizeof__/nbytes may raise anything
+        if strict:
+            raise
         return UNKNOWN_SIZE
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import config
 from ..comm import shm_family
 from ..protocol.messages import SegmentRef
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized
@@ -63,22 +64,34 @@ class Arrivals:
         return len(self._notes)
 
 
-def moved_by_path(destination: str, nbytes: int, values: Any = ()) -> dict[str, int]:
-    """``nbytes`` of ``values`` that crossed a comm to ``destination``, by path: the
-    buffers of values in shared memory were mapped, the rest went in frames."""
+def mapped_bytes(destination: str, values: dict[Any, Any], nbytes: dict[Any, int]) -> int:
+    """Bytes of the buffers of ``values`` (by key; ``nbytes``: their sizes) that lie in
+    shared memory, which a comm to ``destination`` has a same-host peer map.
+
+    Finding them pickles a value (its buffers out of band), so only values of at least
+    ``shm-threshold`` (or 64 KiB) bytes are looked into, as the store does: nothing
+    smaller is placed in a segment, nor sent through one. Pickling every value a
+    worker served or fetched cost a shuffle's small frames as much as sending them."""
+    if destination != SAME_HOST:
+        return 0
+    least = min(int(config.get("shm-threshold")), 1 << 16)
+    return sum(shm_family.shm_bytes(v) for k, v in values.items() if nbytes.get(k, least) >= least)
+
+
+def moved_by_path(destination: str, nbytes: int, mapped: int = 0) -> dict[str, int]:
+    """``nbytes`` that crossed a comm to ``destination``, by path: ``mapped`` of them
+    (:func:`mapped_bytes`) were mapped from shared memory, the rest went in frames."""
     if destination == SAME_PROCESS:
         return {"inproc": nbytes}
-    mapped = sum(shm_family.shm_bytes(v) for v in values) if destination == SAME_HOST else 0
     return {"shm": mapped, "tcp": max(nbytes - mapped, 0)}
 
 
-def path_of(destination: str, values: Any) -> str:
-    """How values that came over a comm to ``destination`` travelled (one word)."""
+def path_of(destination: str, mapped: int) -> str:
+    """How values that came over a comm to ``destination`` travelled (one word),
+    ``mapped`` bytes of them from shared memory."""
     if destination == SAME_PROCESS:
         return "inproc"
-    if destination == SAME_HOST and any(shm_family.shm_bytes(v) for v in values):
-        return "shm"
-    return "tcp"
+    return "shm" if mapped else "tcp"
 
 
 class Traffic:
@@ -98,18 +111,24 @@ class Traffic:
         for path, n in moved.items():
             counts[path] += n
 
-    def pushed(self, destination: str, nbytes: int, values: Any = ()) -> None:
-        self._add(self.moved, moved_by_path(destination, nbytes, values))
+    def pushed(self, destination: str, nbytes: dict[Any, int], values: dict[Any, Any]) -> None:
+        """``values`` (by key, of sizes ``nbytes``) were pushed here (scattered)."""
+        mapped = mapped_bytes(destination, values, nbytes)
+        self._add(self.moved, moved_by_path(destination, sum(nbytes.values()), mapped))
 
-    def served(self, destination: str, nbytes: int, values: Any = ()) -> None:
-        moved = moved_by_path(destination, nbytes, values)
+    def served(self, destination: str, nbytes: dict[Any, int], values: dict[Any, Any]) -> None:
+        """Values of sizes ``nbytes`` (by key) were served to a peer; ``values``: those
+        of them whose buffers may lie in shared memory (the others went in frames)."""
+        moved = moved_by_path(destination, sum(nbytes.values()), mapped_bytes(destination, values, nbytes))
         self._add(self.moved, moved)
         self._add(self.sent, moved)
 
-    def fetched(self, destination: str, nbytes: dict[Any, int], values: Any, source: str, start: float,
-                stop: float) -> None:
-        self._add(self.received, moved_by_path(destination, sum(nbytes.values()), values))
-        self.arrivals.note(nbytes, source, path_of(destination, values), start, stop)
+    def fetched(self, destination: str, nbytes: dict[Any, int], values: dict[Any, Any], source: str,
+                start: float, stop: float) -> None:
+        """``values`` (by key, of sizes ``nbytes``) came from peer ``source``."""
+        mapped = mapped_bytes(destination, values, nbytes)
+        self._add(self.received, moved_by_path(destination, sum(nbytes.values()), mapped))
+        self.arrivals.note(nbytes, source, path_of(destination, mapped), start, stop)
 
     def mapped(self, nbytes: dict[Any, int], now: float) -> None:
         """Inputs mapped from same-host peers' segments (no peer involved)."""

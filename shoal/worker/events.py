@@ -80,11 +80,13 @@ class ExecuteSuccessEvent(Event):
     #: for the task stream: (start, stop, thread) and the inputs moved here for it
     timing: tuple[float, float, int] | None = None
     transfers: list[tuple[str, str, int, str, float, float]] | None = None
+    #: the value's managed size, measured in the task's thread (None: not measured)
+    managed: int | None = None
 
     def logged(self) -> ExecuteSuccessEvent:
         """This event for the log: without the value (nor its inline copy)."""
         return ExecuteSuccessEvent(self.stimulus_id, self.key, DROPPED, self.nbytes, self.duration, self.shm,
-                                   _dropped(self.inline), self.timing, self.transfers)
+                                   _dropped(self.inline), self.timing, self.transfers, self.managed)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class GatherDepSuccessEvent(Event):
     #: values received; requested keys absent here were missing on the peer
     data: dict[Key, Any]
     requested: list[Key]
+    #: the values' managed sizes, measured as they arrived (what the store counts)
     nbytes: dict[Key, int] = field(default_factory=dict)
     #: values from another host this worker put in segments of its own (their infos),
     #: for the workers of its host to map: kept as replicas the scheduler knows of

@@ -19,7 +19,8 @@ from typing import Any
 from .. import config
 from ..comm import Comm, shm, shm_born, shm_family
 from ..errors import CommBrokenError, CorruptedDataError, SerializationError, describe, short_repr
-from ..protocol import REMOTE, sizeof, to_serialize
+from ..protocol import REMOTE, to_serialize
+from ..protocol.sizes import managed_sizeof
 from ..rpc import ConnectionPool, fetch_deadline
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
@@ -41,6 +42,8 @@ logger = logging.getLogger("shoal.worker")
 
 #: the states of a key on its way here (fetched, or mapped, from a peer)
 _COMING = ("fetch", "flight")
+#: the store's kinds of values whose buffers lie in shared memory
+_IN_SEGMENTS = ("shm", "mapped")
 
 
 class PeerData:
@@ -138,8 +141,9 @@ class PeerData:
         if not isinstance(response, dict) or response.get("status") != "OK":
             raise RuntimeError(f"get-data failed: {response.get('message') if isinstance(response, dict) else response!r}")
         data = response["result"]["data"]
-        nbytes = {k: sizeof(v) for k, v in data.items()}
-        self.traffic.fetched(comm.destination, nbytes, data.values(), inst.worker, began, time.time())
+        # measured once, here: the traffic, the task's size and the store use it
+        nbytes = {k: managed_sizeof(v) for k, v in data.items()}
+        self.traffic.fetched(comm.destination, nbytes, data, inst.worker, began, time.time())
         kept: dict[Any, Any] = {}
         try:
             if self.use_shm and comm.destination == REMOTE:
@@ -177,7 +181,7 @@ class PeerData:
                 logger.info("cannot map %r from shared memory (%s); asking its holders", key, exc)
                 continue
             data[key] = value
-            nbytes[key] = sizeof(value)
+            nbytes[key] = managed_sizeof(value)
         self.traffic.mapped(nbytes, time.time())
         self.handle_stimulus(GatherDepSuccessEvent(self._stimulus("attach"), SHM, data, inst.keys, nbytes))
 
@@ -233,8 +237,13 @@ class PeerData:
                     lost.append(k)
         if lost:
             self.handle_stimulus(DataLostEvent(self._stimulus("data-lost"), lost))
-        self.traffic.served(comm.destination, sum(sizeof(v) for v in found.values()), found.values())
-        return {"data": {k: to_serialize(v) for k, v in found.items()}}
+        # the sizes the store measured them at: a value served again is not measured
+        # again (here, nor by the transport deciding where to serialize it)
+        sizes = {k: store.nbytes(k) for k in found}
+        # only a value the store found in a segment can be mapped by the peer
+        in_segments = {k: v for k, v in found.items() if store.kind(k) in _IN_SEGMENTS}
+        self.traffic.served(comm.destination, sizes, in_segments)
+        return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
 
     def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
         return dict(self.traffic.moved)

@@ -36,6 +36,7 @@ from .. import config, gcpolicy
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
 from ..protocol import SAME_HOST, SAME_PROCESS, Serialize, Serialized, deserialize, sizeof, to_serialize
+from ..protocol.serialize import sizes
 from ..rpc import BatchedSend, ConnectionPool, Server, read_batch, without_values
 from ..protocol.resources import check_resources
 from ..protocol.messages import (
@@ -545,7 +546,8 @@ class Worker(PeerData):
                     event.transfers = transfers
                 else:
                     try:
-                        nbytes = sizeof(value, strict=True)
+                        # (the store's measure too, taken here, off the event loop)
+                        nbytes, managed = sizes(value)
                     except BaseException as exc:  # noqa: BLE001 - the result's nbytes/__sizeof__
                         exc.add_note(f"(raised while shoal measured the result of task {short_repr(key)}: "
                                      "its nbytes or __sizeof__)")
@@ -555,10 +557,12 @@ class Worker(PeerData):
                     placed = self._place(value) if place and fits(nbytes) else None
                     if placed is not None:
                         segment, value = placed
+                    # (a value in a segment counts by the segment's size)
                     inline = inline_value(value, nbytes, destination) if report else None
                     event = ExecuteSuccessEvent(self._stimulus(f"task-finished-{key}"), key, value, nbytes, duration,
                                                 None if segment is None else segment.info, inline,
-                                                (began, began + duration, threads.index()), transfers)
+                                                (began, began + duration, threads.index()), transfers,
+                                                managed if placed is None else None)
             except BaseException as exc:  # noqa: BLE001 - whatever a result made us raise is its task's
                 if segment is not None:
                     segment.unlink()
@@ -642,7 +646,7 @@ class Worker(PeerData):
     def update_data(self, comm: Comm, data: dict[Any, Any]) -> dict[str, Any]:
         values = {k: (v.data if isinstance(v, Serialize) else v) for k, v in data.items()}
         nbytes = {k: sizeof(v) for k, v in values.items()}
-        self.traffic.pushed(comm.destination, sum(nbytes.values()), values.values())
+        self.traffic.pushed(comm.destination, nbytes, values)
         if not self.handle_stimulus(UpdateDataEvent(self._stimulus("update-data"), values, nbytes)):
             raise RuntimeError(f"worker {self.address} met an internal error and is closing; "
                                f"{short_repr(list(values), 200)} not stored")

@@ -368,7 +368,7 @@ class WorkerState(Fetching):
             self._release(ts)
             return
         ts.nbytes = ev.nbytes
-        self._put(ts, ev.value)
+        self._put(ts, ev.value, ev.managed)
         if ts.state == "memory" and ts.origin == "compute":
             msg: dict[str, Any] = {"op": "task-finished", "key": ts.key, "nbytes": ev.nbytes, "duration": ev.duration}
             if ev.shm is not None:
@@ -407,7 +407,7 @@ class WorkerState(Fetching):
             ts.coming_from = None
             if ts.key in ev.data:
                 ts.nbytes = ev.nbytes.get(ts.key, ts.nbytes)
-                self._put(ts, ev.data[ts.key])
+                self._put(ts, ev.data[ts.key], ev.nbytes.get(ts.key))
                 info = ev.shm.get(ts.key)
                 if info is not None:
                     # it crossed hosts: kept for this host's workers, until the scheduler frees it
@@ -530,12 +530,17 @@ class WorkerState(Fetching):
         """Whether a local task still waits for ``ts``'s value, or is about to run with it."""
         return any(d.state in ("waiting", "ready") for d in ts.dependents)
 
-    def _put(self, ts: WTask, value: Any) -> None:
-        """``ts``'s value is here: store it and wake the tasks waiting for it."""
+    def _put(self, ts: WTask, value: Any, managed: int | None = None) -> None:
+        """``ts``'s value is here: store it and wake the tasks waiting for it.
+        ``managed``: its managed size, when measured already (off the event loop)."""
         self.fetching.discard(ts)
         if ts.state != "memory":  # else a new value (scattered again) replaces the old
             self._set_state(ts, "memory")
-        self.data[ts.key] = value
+        put = getattr(self.data, "put", None) if managed is not None else None
+        if put is not None:  # the worker's store: it need not measure the value again
+            put(ts.key, value, managed)
+        else:
+            self.data[ts.key] = value
         for dts in sorted(ts.dependents):
             if ts in dts.waiting_for_data:
                 dts.waiting_for_data.discard(ts)

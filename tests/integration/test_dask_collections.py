@@ -119,3 +119,52 @@ def test_compute_many_and_non_collections(client):
     assert c == 5
     assert np.isclose(a.result(timeout=60), _x().sum().compute(scheduler="sync"))
     assert b.result(timeout=60) == 999
+
+
+def _frame_with_empty_partition():
+    pdf = pd.DataFrame({"x": [5, 3, 9, 1, 7, 2], "y": np.arange(6), "s": list("abcabc")})
+    # an empty partition, and divisions dask must compute (inside a cached property of
+    # the expression, the graph of that computation reading other frames' divisions)
+    ddf = dd.concat([dd.from_pandas(pdf, npartitions=2), dd.from_pandas(pdf[pdf.y > 99], npartitions=1)])
+    return pdf, ddf.clear_divisions()
+
+
+@pytest.mark.parametrize("method", ["tasks", "disk"])
+def test_set_index_with_empty_partitions_and_unknown_divisions(client, method):
+    pdf, ddf = _frame_with_empty_partition()
+    with dask.config.set({"scheduler": client.get, "dataframe.shuffle.method": method}):
+        by_x = ddf.set_index("x")
+        got = by_x.compute()
+        again = by_x.repartition(npartitions=3).set_index("s").compute()
+    # (dask makes the strings pyarrow strings: the values are compared)
+    pd.testing.assert_frame_equal(got, pdf.set_index("x").sort_index(), check_dtype=False)
+    pd.testing.assert_frame_equal(again.sort_values("y"), pdf.set_index("x").set_index("s").sort_values("y"),
+                                  check_dtype=False, check_index_type=False)
+
+
+class _GraphNeedsCallersLock:
+    """A collection whose graph can only be made by a thread holding ``lock`` (as
+    dask's expressions make theirs under locks their caller may hold)."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __dask_graph__(self):
+        if not self.lock.acquire(blocking=False):  # an RLock: only its holder gets it
+            raise RuntimeError("the graph was made off the caller's thread")
+        try:
+            return {"a": 1, "b": (_double, "a")}
+        finally:
+            self.lock.release()
+
+
+def _double(v):
+    return 2 * v
+
+
+def test_get_makes_the_graph_on_the_callers_thread(client):
+    import threading
+
+    lock = threading.RLock()
+    with lock:
+        assert client.get(_GraphNeedsCallersLock(lock), ["b", "a"]) == [2, 1]

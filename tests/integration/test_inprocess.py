@@ -66,3 +66,31 @@ def test_clients_share_the_loop_of_a_cluster_in_this_process():
     second.close()
     assert pending.status == "cancelled"
     gate.set()
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class CountsItsMeasures:
+    """A value that counts the times its size is asked (``__sizeof__``) in ``tally``."""
+
+    def __init__(self, tally: Tally):
+        self.tally = tally
+
+    def __sizeof__(self) -> int:
+        self.tally.n += 1
+        return 1000
+
+
+def test_a_value_is_measured_once_where_made_and_once_where_fetched(client):
+    # measuring is dask's sizeof of the value: 5 ms for a shuffle's split of 23 small
+    # frames, and it was measured five times per transfer (the result, its store, the
+    # serving, the fetch, the fetcher's store)
+    tally = Tally()
+    a, b = sorted(client.scheduler_info()["workers"])
+    made = client.submit(CountsItsMeasures, tally, workers=[a], pure=False)
+    used = client.submit(lambda v: v.tally is tally, made, workers=[b], pure=False)
+    assert used.result(timeout=10) is True
+    assert tally.n == 2

@@ -150,3 +150,31 @@ def test_summary_counts_from_the_groups(s: Sched) -> None:
     summary = d.summary()
     assert summary["workers"] == 1 and summary["threads"] == 4 and summary["tasks"] == 6
     assert summary["memory"] == 1 and summary["processing"] == 5 and summary["address"] == "tcp://sched:1"
+
+
+class _Watched:
+    """A value that notes each time it is pickled."""
+
+    pickled: list[int] = []
+
+    def __reduce__(self) -> Any:
+        _Watched.pickled.append(1)
+        return (_Watched, ())
+
+
+def test_a_workers_traffic_looks_into_values_only_when_they_may_lie_in_shared_memory() -> None:
+    # finding a value's bytes in segments pickles it: a shuffle's small frames cost
+    # as much again as sending them when every value served or fetched was looked into
+    from shoal.protocol import SAME_HOST
+    from shoal.worker.diagnostics import Traffic
+
+    _Watched.pickled.clear()
+    t = Traffic()
+    t.served(SAME_HOST, {"small": 100}, {"small": _Watched()})
+    t.fetched(SAME_HOST, {"small": 100}, {"small": _Watched()}, "tcp://peer:1", 1.0, 2.0)
+    assert _Watched.pickled == []
+    assert t.sent == {"inproc": 0, "shm": 0, "tcp": 100} and t.received == t.sent
+    t.fetched(SAME_HOST, {"big": 1 << 20}, {"big": _Watched()}, "tcp://peer:1", 1.0, 2.0)
+    assert _Watched.pickled == [1]  # it may lie in a segment: looked into (it does not)
+    assert t.received == {"inproc": 0, "shm": 0, "tcp": 100 + (1 << 20)}
+    assert [a[3] for a in t.arrivals.take(["small", "big"])] == ["tcp", "tcp"]

@@ -80,6 +80,19 @@ def test_without_a_target_nothing_spills_and_totals_run():
     s.close()
 
 
+def test_a_value_measured_already_is_counted_by_that_size(store):
+    # (a task's thread, or a fetch as the value arrived, measured it: not again here)
+    store.put("a", arr(0), 2 * MB)
+    store.put("b", pd.DataFrame({"s": ["x"] * 10}), 12_345)
+    assert store.nbytes("a") == 2 * MB and store.nbytes("b") == 12_345
+    assert store.managed == 2 * MB + 12_345
+    store.evict()  # the least recently used goes to disk: its size is kept
+    assert store.kind("a") == "spilled" and store.nbytes("a") == 2 * MB
+    check_totals(store)
+    with pytest.raises(KeyError):
+        store.nbytes("c")
+
+
 def test_values_past_the_target_spill_least_recently_used_first(store):
     for i in range(4):
         store[i] = arr(i)  # 8 MB: all fit
