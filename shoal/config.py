@@ -14,6 +14,9 @@ from typing import Any
 _DEFAULTS: dict[str, Any] = {
     # tcp: messages whose buffers exceed this many bytes are (de)serialized in a thread pool
     "offload-threshold": 1 << 20,
+    # tcp connections checksum their large frames (both ends must offer it; docs/protocol.md
+    # §2.4); 0: this end offers none (only to measure what they cost)
+    "wire-checksums": 1,
     # tcp: a single frame larger than this is a protocol error
     "max-frame-bytes": 1 << 36,
     # tcp: more frames than this in one message is a protocol error
@@ -84,6 +87,9 @@ _DEFAULTS: dict[str, Any] = {
     "large-payload-bytes": 1_000_000,
     # worker results whose buffers hold at least this many bytes go to shared memory
     "shm-threshold": 1 << 16,
+    # 1: owners checksum the values they place in shared memory and readers check them
+    # as they map them (costs more than the mapping: shoal.comm.shm)
+    "shm-verify": 0,
     # numpy arrays of at least this many bytes made by a worker's tasks come from its
     # pool of retired segments (no page faults, no copy to publish them); 0: never
     "shm-alloc-threshold": 1 << 20,

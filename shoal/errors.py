@@ -12,6 +12,8 @@
     │       └── AuthenticationError  the ends do not share the cluster's secret
     ├── SerializationError         a value cannot be serialized (raised before sending)
     ├── DeserializationError       received bytes cannot be turned back into a value
+    │   └── CorruptedDataError     a value's bytes do not match the checksum written with
+    │                              them (a spill file, a frame, a segment): not used
     ├── GraphError (ValueError)    a task graph is malformed (cycle, unknown key), or
     │                              cannot be right on this cluster (dask's "disk"
     │                              shuffle on workers of several hosts)
@@ -47,6 +49,7 @@ __all__ = [
     "AuthenticationError",
     "SerializationError",
     "DeserializationError",
+    "CorruptedDataError",
     "RemoteError",
     "GraphError",
     "InvalidKeyError",
@@ -100,6 +103,14 @@ class SerializationError(ShoalError, TypeError):
 
 class DeserializationError(ShoalError):
     """Received bytes could not be turned back into a value (the cause is attached)."""
+
+
+class CorruptedDataError(DeserializationError):
+    """The bytes of a value are not those that were written: a spill file, a frame
+    received over tcp or a shared-memory segment does not match the checksum written
+    with it, or a spill file is cut short or unreadable. The value is never used: it is
+    fetched again or computed again, and this error reaches a caller only when neither
+    can be done. The message names the value's key or its file where they are known."""
 
 
 class RemoteError(ShoalError):

@@ -231,17 +231,18 @@ def recv_until_closed(sock: socket.socket) -> bytes:
     return b"".join(data)
 
 
-def complete_handshake(sock: socket.socket, secret: bytes | None) -> dict:
+def complete_handshake(sock: socket.socket, secret: bytes | None, **step2: Any) -> dict:
     """The handshake of a connecting end, by hand: step 1, the proof of ``secret``
     (None: no authentication), and the shared-memory answers (we offer no probe and say
-    we cannot map the peer's). Returns the peer's step-2 message."""
+    we cannot map the peer's); ``step2``: more fields of step 2 (``checksums=``).
+    Returns the peer's step-2 message."""
     nonce = os.urandom(32)
     sock.sendall(handshake_bytes(nonce=nonce, auth=secret is not None))
     (hello,) = recv_frames(sock)
     peer = msgpack.unpackb(hello)
     assert peer["op"] == "handshake", peer
     proof = None if secret is None else security.proof(secret, b"connector", nonce, peer["nonce"])
-    sock.sendall(message_bytes({"op": "handshake-auth", "proof": proof, "pid": 1, "host": "elsewhere"}))
+    sock.sendall(message_bytes({"op": "handshake-auth", "proof": proof, "pid": 1, "host": "elsewhere", **step2}))
     (info,) = recv_frames(sock)
     info = msgpack.unpackb(info)
     assert info["op"] == "handshake-auth", info

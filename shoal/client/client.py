@@ -27,7 +27,7 @@ from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
 from ..comm.security import Security
-from ..errors import CommBrokenError, CommError, LostDataError, ProtocolError
+from ..errors import CommBrokenError, CommError, CorruptedDataError, LostDataError, ProtocolError
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, SAME_PROCESS, to_serialize
 from ..rpc import BatchedSend, ConnectionPool, PooledRPC, fetch_deadline, read_batch, send_heartbeats
@@ -536,7 +536,7 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
     async def _gather_values(self, futures: list[Future], errors: str) -> list[Any]:
         states = [f._state for f in futures]
         values: dict[Any, Any] = {}
-        for _attempt in range(20):
+        for attempt in range(20):
             await self._wait_states(states, None)
             for st in states:
                 if st.status in ("error", "cancelled") and errors == "raise":
@@ -581,7 +581,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
             )
             for (w, keys), res in zip(by_worker.items(), results):
                 if isinstance(res, BaseException):
-                    if not isinstance(res, (CommError, OSError)):
+                    # (bytes that failed their checksum on the way: asked for again)
+                    if not isinstance(res, (CommError, OSError, CorruptedDataError)):
                         raise res
                     res = {}
                 values.update(res)
@@ -590,9 +591,15 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
                         state = self._states.get(k)
                         if state is not None and state.workers and state.workers[0] == w:
                             state.workers = state.workers[1:]  # w did not have it: try the next
-            missing = [st for st in states if st.status == "finished" and st.key not in values]
+            # a key lost since it finished (its holder could not read it back, or died)
+            # is being computed again: waited for at the top of the next round
+            missing = [st for st in states if st.status not in ("error", "cancelled") and st.key not in values]
             if not missing:
                 break
+            if need and not any(st.key in values for st in need):
+                # nothing came: a holder lost the value and the scheduler's word of it
+                # (lost-key) is on its way; a moment before asking again
+                await asyncio.sleep(min(0.005 * 2**attempt, 0.5))
         else:
             raise LostDataError(f"could not fetch {[st.key for st in missing]!r} from any worker")
         out = []

@@ -13,6 +13,16 @@ once per 512 KiB instead of once per few packets (a 64 MiB frame: ~130 reads, no
 ~700). A small message that arrived whole is parsed in one step. Bad input (a frame
 count or length over the limits, an allocation that fails) is a
 :class:`~shoal.errors.ProtocolError` that aborts the connection.
+
+Checksums (when both ends said so in the handshake, :attr:`FrameProtocol.checksums`):
+every frame of :data:`CHECKSUM_MIN` bytes or more is followed, after the message's
+last frame, by its xxh3_64 in a trailer (``u64`` each, in frame order). Such a frame is
+received into its own buffer anyway; each piece of it is hashed as it lands, on the
+loop (measured ~15 GB/s: ~4 ms for 64 MB, a tenth of that frame's time over loopback,
+less over a real network; pieces capped to stay in cache hashed no faster). A message
+whose trailer does not match is not delivered: the reader gets a
+:class:`~shoal.errors.CorruptedDataError` for it instead, and the connection goes on
+(its framing is intact).
 """
 
 from __future__ import annotations
@@ -28,13 +38,16 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from .. import config
-from ..errors import CommBrokenError, CommClosedError, ProtocolError
+from ..errors import CommBrokenError, CommClosedError, CorruptedDataError, ProtocolError
 
 if TYPE_CHECKING:
     from .tcp import TCPComm
 
-__all__ = ["FrameProtocol", "alloc_buffer", "STRANGER_MAX_BYTES", "HANDSHAKE_MESSAGES"]
+__all__ = ["FrameProtocol", "alloc_buffer", "STRANGER_MAX_BYTES", "HANDSHAKE_MESSAGES", "CHECKSUM_MIN",
+           "checksum_trailer"]
 
 logger = logging.getLogger("shoal.comm.tcp")
 
@@ -46,6 +59,28 @@ _SCRATCH = 1 << 16
 _DIRECT = 1 << 16  # blocks at least this large are received into their own buffer
 _MAX_QUEUED = 64  # complete messages buffered before we stop reading the socket
 _U64 = struct.Struct("<Q")
+
+
+#: frames at least this large carry a checksum when the connection has them (the ones
+#: received into their own buffers: _DIRECT)
+CHECKSUM_MIN = _DIRECT
+
+
+def checksum_trailer(frames: list[Any]) -> bytes:
+    """The checksum trailer of a message of ``frames`` (see the module): the xxh3_64 of
+    each frame of :data:`CHECKSUM_MIN` bytes or more; ``b""`` when there is none."""
+    digests = [xxhash.xxh3_64_intdigest(f) for f in frames
+               if (len(f) if type(f) is bytes else memoryview(f).nbytes) >= CHECKSUM_MIN]
+    return struct.pack(f"<{len(digests)}Q", *digests) if digests else b""
+
+
+class CorruptMessage:
+    """Stands in the queue for a message whose frames failed their checksums."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
 
 
 _LAZY = 1 << 18  # blocks at least this large are mappings, committed as bytes arrive
@@ -95,6 +130,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._lengths: list[int] | None = None
         self._count = -1
         self._frames: list[Any] = []
+        #: whether large frames carry checksums (set once the handshake agreed on it),
+        #: the hash of the frame coming in, and those of the message's frames so far
+        self.checksums = False
+        self._hasher: Any = None
+        self._digests: list[int] = []
         # a new connection's peer is a stranger: its handshake messages are one small
         # frame each, and nothing after them is parsed until the handshake lifts this
         # (set_limits())
@@ -110,7 +150,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         # messages to parse before reading stops (0: no such limit), and whether it has
         self._hold_after = HANDSHAKE_MESSAGES
         self._held = False
-        self.messages: deque[list[Any]] = deque()
+        self.messages: deque[Any] = deque()  # lists of frames (or CorruptMessage)
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
         self.paused = False
@@ -165,6 +205,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             if self._direct is not None:
+                if self._hasher is not None:  # the bytes just landed: in cache
+                    self._hasher.update(self._direct[self._direct_pos : self._direct_pos + nbytes])
                 self._direct_pos += nbytes
                 if self._direct_pos == len(self._direct):
                     block = self._direct_buf
@@ -329,7 +371,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return 8
         if self._lengths is None:
             return 8 * self._count
-        return self._lengths[len(self._frames)]
+        if len(self._frames) < self._count:
+            return self._lengths[len(self._frames)]
+        return 8 * len(self._digests)  # the checksum trailer
 
     def _parse(self) -> None:
         while not self._held:
@@ -354,6 +398,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 view = memoryview(buf)
                 take = min(avail, need)
                 view[:take] = self._view[self._start : self._start + take]
+                if self.checksums and self._lengths is not None and len(self._frames) < self._count:
+                    self._hasher = xxhash.xxh3_64()
+                    self._hasher.update(view[:take])
                 self._start += take
                 if self._start == self._end:
                     self._start = self._end = 0
@@ -374,8 +421,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._set_count(struct.unpack_from("<Q", self._scratch, s)[0])
             elif self._lengths is None:
                 self._set_lengths(list(struct.unpack_from(f"<{self._count}Q", self._scratch, s)))
-            else:
+            elif len(self._frames) < self._count:
                 self._frame_done(self._scratch[s : s + need])
+            else:
+                self._trailer_done(self._scratch[s : s + need])
 
     def _parse_whole(self) -> bool:
         """Take a whole small message out of the scratch buffer in one step (the common
@@ -415,7 +464,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _landing(self, need: int) -> Any:
         """A buffer for the frame about to come from the allocator of
         :meth:`land_frames`, if it is an out-of-band frame it wants; else ``None``."""
-        if self._lengths is None or len(self._frames) < 2 or need < self._land_min:
+        if self._lengths is None or not 2 <= len(self._frames) < self._count or need < self._land_min:
             return None
         try:
             return self._land(need)
@@ -426,8 +475,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _block_done(self, block: Any) -> None:
         if self._lengths is None:
             self._set_lengths(list(struct.unpack_from(f"<{self._count}Q", block, 0)))
-        else:
+        elif len(self._frames) < self._count:
+            if self._hasher is not None:
+                self._digests.append(self._hasher.intdigest())
+                self._hasher = None
             self._frame_done(block)
+        else:
+            self._trailer_done(block)
         if self._direct is None and self._end > self._start:
             self._parse()
 
@@ -464,12 +518,30 @@ class FrameProtocol(asyncio.BufferedProtocol):
         assert lengths is not None
         while len(self._frames) < self._count and lengths[len(self._frames)] == 0:
             self._frames.append(b"")
-        if len(self._frames) == self._count:
+        if len(self._frames) == self._count and not self._digests:
             frames = self._frames
             self._frames, self._lengths, self._count = [], None, -1
             self._deliver(frames)
+        # (else the checksum trailer comes next)
 
-    def _deliver(self, frames: list[Any]) -> None:
+    def _trailer_done(self, data: Any) -> None:
+        digests, frames, lengths = self._digests, self._frames, self._lengths
+        assert lengths is not None
+        self._frames, self._lengths, self._count, self._digests = [], None, -1, []
+        sent = struct.unpack_from(f"<{len(digests)}Q", data, 0)
+        if list(sent) == digests:
+            self._deliver(frames)
+            return
+        large = [i for i, n in enumerate(lengths) if n >= CHECKSUM_MIN]
+        bad = [(i, lengths[i]) for i, a, b in zip(large, digests, sent) if a != b]
+        peer = self.comm.peer_address if self.comm else "?"
+        text = (f"a message of {sum(lengths):,} bytes from {peer} arrived changed: frame(s) "
+                f"{', '.join(f'{i} ({n:,} bytes)' for i, n in bad)} do not match their checksums; "
+                "it is dropped (the connection goes on)")
+        logger.warning("%s", text)
+        self._deliver(CorruptMessage(text))
+
+    def _deliver(self, frames: Any) -> None:
         if self._hold_after:
             self._hold_after -= 1
             if not self._hold_after:
@@ -498,6 +570,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             waiter.set_result(None)
 
     async def next_frames(self) -> list[Any]:
+        """The next message's frames. Raises the connection's error once it is gone
+        (:class:`CommBrokenError`, :class:`ProtocolError`, ...), and
+        :class:`CorruptedDataError` for a message whose frames failed their checksums
+        (the connection goes on)."""
         while not self.messages:
             if self.error is not None:
                 raise self.error
@@ -514,4 +590,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self.paused and len(self.messages) < _MAX_QUEUED // 4 and self.transport:
             self.paused = False
             self.transport.resume_reading()
+        if type(frames) is CorruptMessage:
+            raise CorruptedDataError(frames.text)
         return frames

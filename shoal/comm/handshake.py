@@ -6,7 +6,8 @@ other to start (docs/protocol.md §3):
 
 1. ``handshake``: protocol version, a fresh nonce, whether this end authenticates.
 2. ``handshake-auth``: the proof (an HMAC over both nonces and the sender's role, see
-   :mod:`.security`), the sender's pid and host, and its shared-memory probe.
+   :mod:`.security`), the sender's pid and host, its shared-memory probe, and whether
+   it checksums large frames (both ends must: :mod:`.framing`).
 3. ``handshake-shm``: whether this end could open the peer's probe.
 
 Until step 2's proof is checked the peer is a stranger: each of its messages must be one
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
+from .. import config
 from ..errors import AuthenticationError, CommError, HandshakeError, ProtocolError, ShoalError
 from ..protocol import NEUTRAL, PROTOCOL_VERSION, REMOTE, SAME_HOST
 from ..protocol.messages import (
@@ -140,6 +142,8 @@ async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, t
 
 #: the one value of ``reads`` (handshake step 2) besides its absence
 READS_NEUTRAL = "neutral"
+#: the checksums an end offers in step 2 (docs/protocol.md §2.4)
+CHECKSUMS = "xxh3-64"
 
 
 def _direction(role: bytes) -> str:
@@ -166,9 +170,11 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
     # then offers no shared memory, which the peer's answer (can_map false) records
     probe = shm.probe()
     try:
+        offer = CHECKSUMS if comm.offers_checksums and config.get("wire-checksums") else None
         mine = HandshakeAuthMsg(
             proof=None if secret is None else proof(secret, role, n_connector, n_acceptor),
             pid=os.getpid(), host=host_identity(), shm_probe=None if probe is None else list(probe),
+            checksums=offer,
         )
         await comm.write(to_wire(mine))
         info = await _read(comm, HandshakeAuthMsg, timeout)
@@ -196,6 +202,8 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
     }
     if info.reads is not None:
         comm.peer_info["reads"] = info.reads
+    # both ends said so (any other value, or none: a peer that has no checksums)
+    comm.checksums = comm._protocol.checksums = offer is not None and info.checksums == CHECKSUMS
     # a peer that reads only neutral encodings gets them, whatever it can map
     comm.destination = NEUTRAL if info.reads == READS_NEUTRAL else SAME_HOST if answer.can_map else REMOTE
     return probe

@@ -14,6 +14,15 @@ take then waits, in order, behind the write lock.
 
 Messages whose out-of-band buffers exceed ``offload-threshold`` bytes are serialized and
 deserialized in a small thread pool, so the event loop keeps serving other peers.
+
+When both ends said so in the handshake (``TCPComm.checksums``; not over tls, whose
+records are authenticated already), a message with frames of
+:data:`~.framing.CHECKSUM_MIN` bytes or more ends with their checksums
+(:func:`~.framing.checksum_trailer`): the sender hashes a small message's before
+sending it, a large one's in the thread pool while its frames go out (the trailer
+follows them), the reader as they land (:mod:`.framing`). A
+message that fails them raises :class:`~shoal.errors.CorruptedDataError` from
+:meth:`TCPComm.read`; the connection goes on.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from ..errors import (
 )
 from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
-from .framing import alloc_buffer
+from .framing import alloc_buffer, checksum_trailer
 from . import security as _security
 from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
 from .handshake import ACCEPTOR, CONNECTOR, run_handshake
@@ -82,6 +91,10 @@ def _nbytes(frame: Any) -> int:
 
 
 class TCPComm(Comm):
+    #: whether this kind of comm offers checksums in its handshake (tls: its records
+    #: are authenticated already)
+    offers_checksums = True
+
     def __init__(self, protocol: _FrameProtocol, local: str, peer: str, deserialize: bool):
         super().__init__(deserialize)
         transport = protocol.transport
@@ -104,6 +117,8 @@ class TCPComm(Comm):
         self._leases: dict[int, Any] = {}
         self._rest: asyncio.Future[None] | None = None
         self._lost = False
+        #: large frames carry checksums both ways (both ends agreed in the handshake)
+        self.checksums = False
 
     def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> socket.socket:
         """Our own descriptor for writing, so sends never pass through the transport's
@@ -202,7 +217,7 @@ class TCPComm(Comm):
         if prepared.values and prepared.nbytes > config.get("offload-threshold"):
             return False
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames)
+        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
         if len(buffers) > _IOV_MAX:
             prepared.end_leases("not sent")
             return False
@@ -250,12 +265,15 @@ class TCPComm(Comm):
                         prepared.end_leases("closed")  # closed while serializing
                     self._check_writable()
                     self._hold_leases(prepared.leases)
-                    await self._send(deque(buffers), False)
+                    if not self.checksums:
+                        await self._send(deque(buffers), False)
+                    else:
+                        await self._send_checked(frames, buffers)
             finally:
                 self._writers -= 1
             return size
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames)
+        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
         if prepared.leases:
             self._hold_leases(prepared.leases)
         sent = 0
@@ -290,6 +308,23 @@ class TCPComm(Comm):
         finally:
             self._writers -= 1
         return size
+
+    async def _send_checked(self, frames: list[Any], buffers: list[Any]) -> None:
+        """Send a large message's ``buffers`` while its checksum trailer is computed in
+        the thread pool (the sender waits for the socket most of the time: hashing then
+        costs no time of its own), then the trailer."""
+        digests = self._loop.run_in_executor(offload_executor(), checksum_trailer, frames)
+        try:
+            await self._send(deque(buffers), False)
+            trailer = await digests
+            if trailer:
+                await self._send(deque([trailer]), True)
+        except BaseException:
+            if not digests.done():
+                digests.cancel()
+            if not self._closed:
+                self.abort()  # the frames may be out without their trailer: the stream is unusable
+            raise
 
     def _check_writable(self) -> None:
         if self._closed:
@@ -433,16 +468,21 @@ def _frames_for(prepared: Any, destination: str) -> tuple[list[Any], list[Any]]:
     return frames, replaced
 
 
-def _buffers(frames: list[Any]) -> tuple[list[Any], int]:
-    """The buffers that put ``frames`` on the wire (length prefix first), and the size."""
+def _buffers(frames: list[Any], trailer: bytes = b"") -> tuple[list[Any], int]:
+    """The buffers that put ``frames`` on the wire (length prefix first, ``trailer``
+    last), and the size of the frames."""
     if len(frames) == 1:
         frame = frames[0]
         size = _nbytes(frame)
         head = _ONE_FRAME.pack(1, size)
         # a small message goes out as one buffer (one cheap copy, a plain send)
-        return ([head + frame] if size <= _COALESCE else [head, frame]), size
-    lengths = [_nbytes(f) for f in frames]
-    return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames], sum(lengths)
+        out = [head + frame] if size <= _COALESCE else [head, frame]
+    else:
+        lengths = [_nbytes(f) for f in frames]
+        out, size = [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), *frames], sum(lengths)
+    if trailer:
+        out.append(trailer)
+    return out, size
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:

@@ -33,6 +33,8 @@ _HANDSHAKE_TIMEOUT = 10.0
 class TLSComm(TCPComm):
     """A :class:`TCPComm` whose bytes go through its TLS transport."""
 
+    offers_checksums = False  # each TLS record is authenticated already
+
     def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> Any:
         return None  # the transport encrypts: nothing may bypass it
 

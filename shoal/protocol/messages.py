@@ -68,7 +68,10 @@ class HandshakeAuthMsg(Msg, tag="handshake-auth"):
     #: ``"neutral"``: the sender decodes only language-neutral encodings (§3, §4.5);
     #: absent: every family (a Python peer)
     reads: str | None = None
-    optional: ClassVar[tuple[str, ...]] = ("shm_probe", "reads")
+    #: ``"xxh3-64"``: the sender puts checksums after large frames and verifies them,
+    #: if the peer says so too (§2.4); absent: no checksums on this connection
+    checksums: str | None = None
+    optional: ClassVar[tuple[str, ...]] = ("shm_probe", "reads", "checksums")
 
 
 class HandshakeShmMsg(Msg, tag="handshake-shm"):

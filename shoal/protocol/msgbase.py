@@ -58,17 +58,22 @@ def key_problem(key: Any, depth: int = 0) -> str | None:
 
 class SegmentInfo(msgspec.Struct, array_like=True):
     """Where a value lies in shared memory (docs/protocol.md §4.7): on the wire the
-    array ``[name, size, pickle_len, [[offset, length], ...], token]``."""
+    array ``[name, size, pickle_len, [[offset, length], ...], token]``, and a sixth
+    element, the value's checksum, when its owner computed one (``shm-verify``)."""
 
     name: str
     size: int
     pickle_len: int
     spans: list[tuple[int, int]]
     token: str
+    checksum: int | None = None
 
     def to_list(self) -> list[Any]:
         """The wire form, for the layers that store and forward it."""
-        return [self.name, self.size, self.pickle_len, [list(span) for span in self.spans], self.token]
+        out = [self.name, self.size, self.pickle_len, [list(span) for span in self.spans], self.token]
+        if self.checksum is not None:
+            out.append(self.checksum)
+        return out
 
 
 class SegmentRef(msgspec.Struct, array_like=True, frozen=True):

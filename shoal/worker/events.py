@@ -19,6 +19,7 @@ __all__ = [
     "GatherDepSuccessEvent",
     "GatherDepFailureEvent",
     "UpdateDataEvent",
+    "DataLostEvent",
     "SecedeEvent",
     "RejoinEvent",
     "PauseEvent",
@@ -150,6 +151,18 @@ class UpdateDataEvent(Event):
     def logged(self) -> UpdateDataEvent:
         """This event for the log: which keys came, without their values."""
         return UpdateDataEvent(self.stimulus_id, dict.fromkeys(self.data, DROPPED), self.nbytes)
+
+
+@dataclass
+class DataLostEvent(Event):
+    """Values this worker held are gone: their spill files did not give back what was
+    written (:class:`~shoal.worker.spill.CorruptSpillFile`). With ``task``: the task
+    that was to run with them (its thread never started), or whose inputs could not be
+    read now for a reason that may pass (``keys`` empty then): it goes back to the
+    scheduler."""
+
+    keys: list[Key]
+    task: Key | None = None
 
 
 @dataclass

@@ -18,10 +18,12 @@ process's resident memory (psutil) and
   (:meth:`MemoryMonitor.result_arrives`), before the state machine hands out the next
   task: a look every interval comes too late for the first result that fills the
   target;
-- past *pause*, or when a spill found the disk full, pauses the worker: the state
+- past *pause*, or past the *target* while the disk refuses values (a spill found it
+  full: tried again at most once a second), pauses the worker: the state
   machine starts no task and no fetch, the thread pool starts nothing it holds, and the
-  scheduler hears it at once (it places work elsewhere); below *pause* again, the worker
-  goes on. Each change is one line in the log.
+  scheduler hears it at once (it places work elsewhere); below *pause* (and the
+  *target*, if the disk is full) again, the worker goes on. Each change is one line in
+  the log.
 
 What counts as the process's memory: its private resident memory (the resident set
 less the pages of files and shared memory), plus the segments it owns (its values' and
@@ -230,18 +232,27 @@ class MemoryMonitor:
         pooled = int(self._pooled()) if self._pooled is not None else 0
         return max(private_memory(_memory_info()) + int(store.shm_owned) + pooled, held)
 
+    def _disk_refused(self, used: int, goal: int | None) -> bool:
+        """Whether memory is past ``goal`` while the disk refuses what should go there."""
+        return goal is not None and used > goal and bool(getattr(self.store, "disk_full", False))
+
     def check(self) -> None:
         """One look: spill, then pause or go on. Raises ``OSError`` when the process's
         memory cannot be read now (out of descriptors: /proc is a file)."""
         t = self.thresholds
         used = self.used()
-        if t.spill is not None and used > t.spill and self._give_back is not None:
+        goal = t.target if t.target is not None else t.spill
+        # past spill, or past the target while the disk refused values (a full disk: tried
+        # again here, at most once per the store's disk_retry, until it takes them)
+        spilling = (t.spill is not None and used > t.spill) or self._disk_refused(used, goal)
+        if spilling and self._give_back is not None:
             self._give_back()
             used = self.used()
-        if t.spill is not None and used > t.spill and self._collect_garbage():
+            spilling = (t.spill is not None and used > t.spill) or self._disk_refused(used, goal)
+        if spilling and self._collect_garbage():
             used = self.used()
-        if t.spill is not None and used > t.spill:
-            goal = t.target if t.target is not None else t.spill
+            spilling = (t.spill is not None and used > t.spill) or self._disk_refused(used, goal)
+        if spilling and goal is not None and used > goal:
             freed = 0
             while used - freed > goal:
                 n = self.store.evict()
@@ -251,7 +262,8 @@ class MemoryMonitor:
             if freed and not self._warned_spill:
                 self._warned_spill = True
                 logger.info("process memory %s is past the spill threshold (%s of a %s limit): "
-                            "values moved to disk", format_bytes(used), format_bytes(t.spill), format_bytes(t.limit))
+                            "values moved to disk", format_bytes(used), format_bytes(t.spill if t.spill is not None else goal),
+                            format_bytes(t.limit))
             if freed:
                 used = self.used()
             if used > goal and self.own_process:
@@ -263,7 +275,10 @@ class MemoryMonitor:
             self.tight = tight
             self._tight(tight)
         over = t.pause is not None and used > t.pause
-        disk_full = bool(getattr(self.store, "disk_full", False))
+        # a full disk pauses the worker only while memory is past the target: below it
+        # nothing needs the disk, and a worker paused with room to spare would stay so
+        # (nothing it runs would free the disk or its memory)
+        disk_full = self._disk_refused(used, goal)
         if (over or disk_full) and not self.paused:
             self.paused = True
             why = "its disk is full" if disk_full and not over else (

@@ -9,7 +9,15 @@ import errno
 import traceback
 from typing import Any
 
-from ..errors import AuthenticationError, CommBrokenError, CommError, HandshakeError, SerializationError, describe
+from ..errors import (
+    AuthenticationError,
+    CommBrokenError,
+    CommError,
+    CorruptedDataError,
+    HandshakeError,
+    SerializationError,
+    describe,
+)
 from ..protocol import SAME_PROCESS, serialize, to_serialize
 from .events import ExecuteFailureEvent
 
@@ -66,10 +74,13 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.E
 def may_pass(exc: BaseException) -> bool:
     """Whether a fetch that failed with ``exc`` may work if tried again soon: this
     process (or the peer, which then drops the connection during its handshake) ran out
-    of descriptors or memory. A refusal, a timeout (connecting waited already), a peer
-    that broke off a request or a bad answer are not tried again."""
+    of descriptors or memory, or the answer's bytes failed their checksums on the way
+    (the peer's copy is likely fine). A refusal, a timeout (connecting waited already),
+    a peer that broke off a request or a bad answer are not tried again."""
     if isinstance(exc, AuthenticationError):
         return False
+    if isinstance(exc, CorruptedDataError):
+        return True
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:

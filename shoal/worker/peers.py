@@ -18,14 +18,22 @@ from typing import Any
 
 from .. import config
 from ..comm import Comm, shm, shm_born, shm_family
-from ..errors import CommBrokenError, SerializationError, describe, short_repr
+from ..errors import CommBrokenError, CorruptedDataError, SerializationError, describe, short_repr
 from ..protocol import REMOTE, to_serialize
 from ..protocol.sizes import managed_sizeof
 from ..rpc import ConnectionPool, fetch_deadline
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
-from .state import SHM, AttachShm, GatherDep, GatherDepFailureEvent, GatherDepSuccessEvent, WorkerState
+from .state import (
+    SHM,
+    AttachShm,
+    DataLostEvent,
+    GatherDep,
+    GatherDepFailureEvent,
+    GatherDepSuccessEvent,
+    WorkerState,
+)
 from .store import WorkerStore
 
 __all__ = ["PeerData"]
@@ -215,8 +223,20 @@ class PeerData:
 
     def _serve(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         store = self.store
-        # a spilled value is read for the peer and stays on disk here
-        found = {k: store.peek(k) for k in keys if k in store}
+        # a spilled value is read for the peer and stays on disk here; one whose file
+        # fails is lost here: left out (the asker tries another holder), and the
+        # scheduler hears it from this worker (it computes the value again)
+        found: dict[Any, Any] = {}
+        lost: list[Any] = []
+        for k in keys:
+            if k in store:
+                try:
+                    found[k] = store.peek(k)
+                except CorruptedDataError as exc:  # its spill file, or its segment (shm-verify)
+                    logger.error("%s; it is computed again", exc)
+                    lost.append(k)
+        if lost:
+            self.handle_stimulus(DataLostEvent(self._stimulus("data-lost"), lost))
         # the sizes the store measured them at: a value served again is not measured
         # again (here, nor by the transport deciding where to serialize it)
         sizes = {k: store.nbytes(k) for k in found}

@@ -31,7 +31,7 @@ from typing import Any
 from ..comm import Comm, connect
 from ..comm.security import Security
 from ..comm.core import local_info
-from ..errors import CommError, ProtocolError, describe, short_repr
+from ..errors import CommError, CorruptedDataError, ProtocolError, describe, short_repr
 from .. import config, gcpolicy
 from ..statelog import internal_error, keys_of
 from ..comm import shm, shm_born, shm_family, shm_handover
@@ -62,6 +62,7 @@ from .threads import TaskThreads
 from .state import (
     AttachShm,
     ComputeTaskEvent,
+    DataLostEvent,
     Execute,
     ExecuteFailureEvent,
     ExecuteSuccessEvent,
@@ -470,11 +471,41 @@ class Worker(PeerData):
         except CommError:
             pass
 
+    def _inputs(self, key: Any) -> dict[Any, Any] | None:
+        """The values of task ``key``'s inputs, read back from disk where spilled; or
+        ``None`` when one cannot be (the task goes back to the scheduler then: see
+        :class:`~shoal.worker.events.DataLostEvent`)."""
+        assert self.state is not None
+        data = self.state.data
+        deps: dict[Any, Any] = {}
+        lost: list[Any] = []
+        for d in self.state.tasks[key].dependencies:
+            if d.key not in data:
+                continue
+            try:
+                deps[d.key] = data[d.key]
+            except CorruptedDataError as exc:  # its spill file, or its segment (shm-verify)
+                logger.error("%s; it is computed again", exc)
+                lost.append(d.key)
+            except (OSError, MemoryError) as exc:  # may pass (out of descriptors): the task goes back
+                logger.warning("cannot read the inputs of %s back from disk now (%s); giving it back to "
+                               "the scheduler", short_repr(key), describe(exc))
+                self.handle_stimulus(DataLostEvent(self._stimulus(f"inputs-unreadable-{key}"), lost, key))
+                return None
+        if lost:
+            self.handle_stimulus(DataLostEvent(self._stimulus(f"data-lost-{key}"), lost, key))
+            return None
+        return deps
+
     def _execute(self, key: Any) -> None:
         assert self.state is not None and self.loop is not None
-        ts = self.state.tasks[key]
+        ts = self.state.tasks.get(key)
+        if ts is None or ts.state != "executing" or ts not in self.state.executing:
+            return  # sent back meanwhile: an input of an earlier Execute of this batch was lost
+        deps = self._inputs(key)
+        if deps is None:
+            return
         payload = ts.payload
-        deps = {d.key: self.state.data[d.key] for d in ts.dependencies if d.key in self.state.data}
         loop = self.loop
         destination = self._scheduler_destination
         place = self.use_shm

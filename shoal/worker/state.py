@@ -46,6 +46,14 @@ would send them here again, and the same fetch would fail again (a peer this wor
 cannot reach, a worker out of descriptors). A fetch from that peer that succeeds
 clears its count.
 
+A value this worker held may be lost without the worker dying: its spill file did
+not give back what was written (a checksum failed, :mod:`.spill`). The server finds
+that out when it reads the value for a task or a peer, and says so
+(``DataLostEvent``): the key is forgotten, the scheduler hears ``missing-data`` naming
+this worker (it computes the value again, or errs the tasks that need a scattered
+one), and the local tasks that were to use it go back to the scheduler
+(``reschedule``), the one about to start included.
+
 The worker runs at most ``nthreads`` tasks at once and takes more from the scheduler
 than it can run, so it fetches the inputs of the next tasks while computing. Up to
 ``queued`` more tasks whose inputs are all here are handed to the thread pool ahead
@@ -97,6 +105,7 @@ from . import events as _events
 from .events import (
     AttachShm,
     ComputeTaskEvent,
+    DataLostEvent,
     Event,
     Execute,
     ExecuteFailureEvent,
@@ -199,6 +208,7 @@ class WorkerState(Fetching):
             GatherDepSuccessEvent: self._gather_success,
             GatherDepFailureEvent: self._gather_failure,
             UpdateDataEvent: self._update_data,
+            DataLostEvent: self._data_lost,
             SecedeEvent: self._secede,
             RejoinEvent: self._rejoin,
             PauseEvent: self._pause,
@@ -484,6 +494,26 @@ class WorkerState(Fetching):
             ts.payload = None
             ts.nbytes = ev.nbytes.get(key, 0)
             self._put(ts, value)
+
+    def _data_lost(self, ev: DataLostEvent) -> None:
+        for key in ev.keys:
+            ts = self.tasks.get(key)
+            if ts is None or ts.state != "memory":
+                continue
+            # the scheduler drops this copy: it computes the value again if no other
+            # worker holds it (or errs its dependents: a scattered value is lost)
+            self._send({"op": "missing-data", "key": key, "errant_worker": self.address})
+            for dts in sorted(ts.dependents):
+                if dts.state in ("waiting", "ready") and self.tasks.get(dts.key) is dts:
+                    self._reschedule(dts)
+            if self.tasks.get(key) is ts:
+                self._release(ts)
+        if ev.task is not None:
+            ts = self._thread_done(ev.task)
+            if ts is not None:
+                if ts.state == "executing":
+                    self._send({"op": "reschedule", "key": ts.key})
+                self._lose(ts)
 
     # -- helpers
 

@@ -26,6 +26,13 @@ of values that must not spill (mapped ones, unpicklable ones tried once) nor of 
 whose spilling must also drop a segment; the LRU here is a plain insertion-ordered
 dict of the spillable keys, so picking what to spill is O(1).
 
+A spill file that does not give back what was written (a flipped bit fails its
+checksum, it was cut short or removed: :mod:`.spill`) loses its value: reading it
+raises :class:`.spill.CorruptSpillFile` naming the key and the file, and the key is
+no longer here; the worker tells the scheduler, which computes it again. With
+``shm-verify``, so does a value whose segment no longer matches the checksum its
+placing wrote (checked as it is read: :class:`~shoal.errors.CorruptedDataError`).
+
 A value neither pickle nor cloudpickle can write (a lock, an open file) stays in
 memory and is not tried again until it is stored anew. A failed write (disk full, any
 ``OSError``) leaves the value in memory, removes the partial file, warns once and sets
@@ -39,6 +46,7 @@ All calls happen on the worker's event loop thread.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -53,7 +61,7 @@ from .. import config
 from ..comm import shm
 from ..comm.shm_files import segment_path
 from ..comm.shm_registry import SegmentState
-from ..errors import describe
+from ..errors import CorruptedDataError, describe, short_repr
 from ..protocol.messages import Key
 from ..protocol.sizes import managed_sizeof
 from . import spill
@@ -68,6 +76,8 @@ MANAGED, SHM_OWNED, MAPPED = 0, 1, 2
 _KEEP = (ActorRef,)
 #: least recently used values looked at for one that nothing else holds
 SCAN = 32
+#: errors reading a spill file back that may pass (the file is not at fault)
+_MAY_PASS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class WorkerStore(MutableMapping[Key, Any]):
@@ -115,6 +125,8 @@ class WorkerStore(MutableMapping[Key, Any]):
         self._warned_disk = False
         #: values smaller than this are never looked for in shared memory
         self._shm_min = min(int(config.get("shm-threshold")), 1 << 16)
+        #: the segments of values placed with a checksum are checked when read
+        self._verify = bool(config.get("shm-verify"))
 
     # ------------------------------------------------------------------ mapping
 
@@ -123,6 +135,8 @@ class WorkerStore(MutableMapping[Key, Any]):
             value = self._data[key]
         except KeyError:
             return self._unspill(key)
+        if self._verify and key in self.segments:
+            self._check_segment(key)
         lru = self._lru
         if key in lru:  # most recently used now
             del lru[key]
@@ -191,8 +205,7 @@ class WorkerStore(MutableMapping[Key, Any]):
         if absent, and what :meth:`__getitem__` raises for a file it cannot read."""
         if key in self._data:
             return self[key]
-        path, _, _ = self._slow[key]
-        return spill.read_value(path)
+        return self._read_back(key)
 
     def discard(self, key: Key) -> None:
         """Remove ``key`` if it is here, without reading a spilled value back
@@ -345,11 +358,9 @@ class WorkerStore(MutableMapping[Key, Any]):
 
     def _unspill(self, key: Key) -> Any:
         """Read ``key``'s value back from disk into private memory; raises ``KeyError``
-        if it is not spilled, ``OSError`` or :class:`.spill.CorruptSpillFile` when its
-        file cannot be read (the file stays, the key stays spilled)."""
-        path, written, was = self._slow[key]
-        value = spill.read_value(path)
-        del self._slow[key]
+        if it is not spilled, and what :meth:`_read_back` raises."""
+        value = self._read_back(key)
+        path, written, was = self._slow.pop(key)
         self._remove_file(path, written, was)
         n = managed_sizeof(value)
         self._data[key] = value
@@ -360,6 +371,40 @@ class WorkerStore(MutableMapping[Key, Any]):
         # not spilling others now: the caller (a task's inputs, a peer's request) may be
         # reading several, and holds those it read; the next store or evict() does it
         return value
+
+    def _read_back(self, key: Key) -> Any:
+        """The value in ``key``'s spill file (left there). A file that does not give
+        back what was written (its checksums fail, it is cut short, gone or unreadable,
+        the value in it does not unpickle) loses the value: the file and the key go, and
+        :class:`.spill.CorruptSpillFile` names both (the caller tells the scheduler,
+        which computes it again). A want of memory or of descriptors, which may pass,
+        raises as it is (``MemoryError``, ``OSError``), and the key stays spilled."""
+        path, written, was = self._slow[key]
+        try:
+            return spill.read_value(path)
+        except MemoryError:
+            raise
+        except OSError as exc:
+            if exc.errno in _MAY_PASS:
+                raise
+            cause: Exception = exc
+        except Exception as exc:  # noqa: BLE001 - a corrupt file, or a value whose unpickling raises
+            cause = exc
+        del self._slow[key]
+        self._remove_file(path, written, was)
+        raise spill.CorruptSpillFile(f"the value of {short_repr(key)} is lost: its spill file {path} cannot be read "
+                                     f"back ({describe(cause)})", key=key, path=path) from cause
+
+    def _check_segment(self, key: Key) -> None:
+        """Check the segment of ``key``'s value against the checksum its placing wrote
+        (``shm-verify``). One that fails loses the value (as a spill file that fails),
+        raising :class:`~shoal.errors.CorruptedDataError` naming key and segment."""
+        info = self.segments[key].info
+        try:
+            shm.verify(info)
+        except CorruptedDataError as exc:
+            self.discard(key)
+            raise CorruptedDataError(f"the value of {short_repr(key)} is lost: {exc}") from exc
 
     def _new_path(self) -> str:
         directory = self.directory

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import struct
 
+import msgpack
 import numpy as np
 import pytest
 
 from shoal import config
 from shoal.comm import connect, listen
+from shoal.comm.framing import CHECKSUM_MIN, CorruptMessage, checksum_trailer
 from shoal.comm.tcp import _FrameProtocol
-from shoal.errors import CommError, ProtocolError
+from shoal.errors import CommError, CorruptedDataError, ProtocolError
 from shoal.protocol import to_serialize
+from shoal_helpers import complete_handshake, recv_frames, secret_of
 
 
 def _wire(frames: list[bytes]) -> bytes:
@@ -206,3 +210,131 @@ async def test_cancelling_a_write_midway_aborts_the_comm():
             c.abort()
         listener.stop()
         await asyncio.sleep(0)  # let the transports finish closing
+
+
+# ----------------------------------------------------------------- checksums (§2.4)
+
+
+def _checked(frames: list[bytes], flip: int | None = None) -> bytes:
+    """A message with its checksum trailer; ``flip``: a bit of that frame changed after
+    hashing (as on a wire that corrupts it)."""
+    data = _wire(frames) + checksum_trailer(frames)
+    if flip is None:
+        return data
+    at = 8 + 8 * len(frames) + sum(map(len, frames[:flip])) + len(frames[flip]) // 2
+    return data[:at] + bytes([data[at] ^ 0x04]) + data[at + 1 :]
+
+
+def _checking() -> _FrameProtocol:
+    protocol = _authenticated()
+    protocol.checksums = True
+    return protocol
+
+
+@pytest.mark.parametrize("max_chunk", [13, 4096, 70_000, 1 << 20])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_with_checksums_any_chunking_gives_the_same_frames_and_catches_every_flip(max_chunk, seed):
+    rng = random.Random(seed)
+    msgs = _messages(rng, 40)
+    if max_chunk < 1000:
+        msgs = [[f[:100_000] for f in m] for m in msgs]
+    # every other message with a large frame is corrupted in one of its large frames
+    sent: list[object] = []
+    data = b""
+    for i, m in enumerate(msgs):
+        large = [j for j, f in enumerate(m) if len(f) >= CHECKSUM_MIN]
+        flip = rng.choice(large) if large and i % 2 else None
+        data += _checked(m, flip)
+        sent.append("corrupt" if flip is not None else m)
+    protocol = _checking()
+    got: list[object] = []
+    pos = 0
+    while pos < len(data):  # fed in pieces, drained as a reader would
+        piece = rng.randint(1, max_chunk)
+        _feed(protocol, data[pos : pos + piece], rng, max_chunk)
+        pos += piece
+        while protocol.messages:
+            m = protocol.messages.popleft()
+            got.append("corrupt" if isinstance(m, CorruptMessage) else [bytes(f) for f in m])
+    assert protocol.error is None
+    assert got == sent
+    assert "corrupt" in sent
+
+
+def test_without_checksums_agreed_no_trailer_is_read_or_written():
+    frames = [b"h", bytes(200_000)]
+    protocol = _authenticated()  # checksums off (a peer that did not offer them)
+    _feed(protocol, _wire(frames), random.Random(0), 1 << 20)
+    assert [bytes(f) for f in protocol.messages.popleft()] == frames
+    assert checksum_trailer([b"x" * (CHECKSUM_MIN - 1)]) == b""
+    assert len(checksum_trailer([b"x" * CHECKSUM_MIN, b"y", memoryview(bytes(CHECKSUM_MIN))])) == 16
+
+
+def _raw_peer(address: str, checksums: bool) -> socket.socket:
+    """A socket to ``address`` that did the handshake by hand, offering checksums or not."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    complete_handshake(sock, secret_of(address), **({"checksums": "xxh3-64"} if checksums else {}))
+    return sock
+
+
+async def test_a_message_corrupted_on_the_wire_is_a_clear_error_and_the_connection_goes_on():
+    received: list[object] = []
+    done = asyncio.Event()
+
+    async def handler(comm):
+        while True:
+            try:
+                msg = await comm.read()
+            except CorruptedDataError as exc:
+                received.append(exc)
+                continue
+            except CommError:
+                return
+            received.append(msg)
+            if msg == "last":
+                done.set()
+
+    listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True)
+    loop = asyncio.get_running_loop()
+    sock = await loop.run_in_executor(None, _raw_peer, listener.contact_address, True)
+    try:
+        big = bytes(range(256)) * 1024  # 256 KiB, out of band (docs/protocol.md §4.2)
+        ref = msgpack.ExtType(2, (0).to_bytes(4, "little"))
+        good = [msgpack.packb({"op": "x", "data": ref}), msgpack.packb([["bytes", {"kind": "bytes"}, 1, False]]), big]
+        last = [msgpack.packb("last")]
+        data = _checked(good, flip=2) + _checked(good) + _checked(last)
+        await loop.run_in_executor(None, sock.sendall, data)
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        sock.close()
+        listener.stop()
+    first, second, third = received
+    assert isinstance(first, CorruptedDataError) and "frame(s) 2 (262,144 bytes)" in str(first)
+    assert second == {"op": "x", "data": big} and third == "last"
+
+
+async def test_a_shoal_sender_puts_the_trailer_only_for_a_peer_that_offered_checksums():
+    got: dict[bool, bytes] = {}
+    for offer in (True, False):
+        comms: list[object] = []
+
+        async def handler(comm):
+            comms.append(comm)
+            await comm.write({"op": "y", "data": bytearray(100_000)})
+
+        listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True)
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(None, _raw_peer, listener.contact_address, offer)
+        try:
+            frames = await loop.run_in_executor(None, recv_frames, sock)
+            sock.settimeout(0.5)
+            try:
+                got[offer] = sock.recv(64)
+            except socket.timeout:  # nothing more comes: no trailer
+                got[offer] = b""
+        finally:
+            sock.close()
+            listener.stop()
+        assert [len(f) for f in frames][2:] == [100_000]
+    assert got[True] == checksum_trailer([bytes(100_000)]) and got[False] == b""

@@ -337,7 +337,7 @@ def map_segment(name: str, size: int, token: str, take: bool = False) -> memoryv
 
 def attach(info: Any) -> Any:
     """The value a segment info (§4.7) describes."""
-    name, size, pickle_len, spans, token = info
+    name, size, pickle_len, spans, token = info[:5]  # (a sixth element, a checksum, may follow)
     view = map_segment(name, int(size), token)
     start = SEG_HEADER
     value = pickle.loads(view[start:start + int(pickle_len)],

@@ -204,3 +204,36 @@ def test_a_killed_worker_with_spilled_values_comes_back_without_them_and_they_ar
         # the values it held, spilled or not, are computed again
         assert client.gather(client.map(first, futures)) == [(float(i), float(i), size) for i in range(n)]
         assert victim not in client.run(os.getpid).values()
+
+
+def spill_files(root):
+    """The spill files under the workers' directories in ``root``."""
+    found = []
+    for worker_dir in os.listdir(root):
+        spill_dir = os.path.join(root, worker_dir, "spill")
+        if os.path.isdir(spill_dir):
+            found += [os.path.join(spill_dir, f) for f in os.listdir(spill_dir)]
+    return found
+
+
+def test_after_a_full_disk_releasing_everything_unpauses_and_leaves_no_spill_file():
+    with small_tmpfs("40m") as disk:
+        limit, size, n = 300 * MiB, 16 * MiB, 40  # 640 MiB of noise for two 180 MiB targets and 40 MiB of disk
+        with shoal.LocalCluster(n_workers=2, processes=True, memory_limit=limit, local_directory=str(disk)) as cluster, \
+                shoal.Client(cluster) as client:
+            futures = client.map(noise, range(n), [size] * n)
+            sums = client.map(total, futures)
+
+            def statuses():
+                return [w["status"] for w in client.scheduler_info()["workers"].values()]
+
+            wait_for(lambda: statuses() == ["paused", "paused"], timeout=60, what="both workers to pause")
+            assert any("cannot spill" in log for log in cluster.get_logs().values())
+            done = [i for i, f in enumerate(sums) if f.status == "finished"]
+            for i, value in zip(done, client.gather([sums[i] for i in done])):
+                assert value == total(noise(i, size))
+            del futures, sums
+            wait_for(lambda: statuses() == ["running", "running"], timeout=30, what="both workers to go on")
+            # what was on disk went with its keys
+            wait_for(lambda: not spill_files(disk), timeout=30, what="the spill files to go")
+            assert client.submit(total, np.ones(3)).result(timeout=30) == 3.0

@@ -58,7 +58,7 @@ def test_public_api_is_pinned():
         "as_completed", "wait",
         "CancelledError", "GraphError", "InvalidKeyError", "KilledWorker", "LostDataError",
         "CommBrokenError", "CommClosedError", "CommConnectError", "CommError",
-        "DeserializationError", "HandshakeError", "ProtocolError", "RemoteError",
+        "DeserializationError", "CorruptedDataError", "HandshakeError", "ProtocolError", "RemoteError",
         "SerializationError", "ShoalError",
         "Serialize", "Serialized", "deserialize", "dumps_function", "loads_function",
         "register_serializer", "serialize", "to_serialize",

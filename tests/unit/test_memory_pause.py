@@ -121,3 +121,48 @@ def test_thresholds_follow_the_settings() -> None:
     with config.set(memory_pause=0.0):
         t = memory.Thresholds.from_config(1000)
     assert (t.target, t.spill, t.pause, t.terminate) == (600, 700, None, 950)
+
+
+class FullDiskStore:
+    """A store whose disk refuses every value (as :class:`WorkerStore` on a full disk)."""
+
+    def __init__(self, managed: int) -> None:
+        self.managed = managed
+        self.shm_owned = 0
+        self.disk_full = True
+        self.tries = 0
+
+    def evict(self) -> int:
+        self.tries += 1
+        return 0
+
+
+def test_a_full_disk_pauses_only_while_memory_is_past_the_target() -> None:
+    from shoal.worker.monitor import MemoryMonitor
+
+    limit = 1000
+    t = memory.Thresholds(limit, target=600, spill=700, pause=800, terminate=950)
+    store = FullDiskStore(managed=650)  # past the target, below spill
+    pauses: list[bool] = []
+    m = MemoryMonitor(store, t, own_process=False, pause=pauses.append)
+    m.check()
+    # the disk is tried again (the store rate-limits it), and refused: paused
+    assert store.tries == 1 and pauses == [True]
+    m.check()
+    assert store.tries == 2 and pauses == [True]
+    # values released: memory falls below the target, the disk still full: goes on
+    store.managed = 500
+    m.check()
+    assert pauses == [True, False]
+    m.check()
+    assert pauses == [True, False] and store.tries == 2  # nothing to spill, nothing to pause for
+
+
+def test_a_full_disk_with_memory_below_the_target_does_not_pause() -> None:
+    from shoal.worker.monitor import MemoryMonitor
+
+    t = memory.Thresholds(1000, target=600, spill=700, pause=800, terminate=950)
+    pauses: list[bool] = []
+    m = MemoryMonitor(FullDiskStore(managed=100), t, own_process=False, pause=pauses.append)
+    m.check()
+    assert pauses == []

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import shoal
 from shoal.comm import shm
 from shoal_helpers import small_tmpfs
 from shoal.worker import spill
@@ -416,17 +417,86 @@ def test_user_sizeof_that_raises_counts_64_and_the_value_still_spills(store):
     assert isinstance(store["odd"], Odd)
 
 
-def test_a_corrupt_spill_file_raises_and_keeps_the_key(store):
-    store["a"] = arr(0)
-    store.evict()
-    path = store._slow["a"][0]
+def flip_bit(path: str, offset: int | None = None) -> None:
+    """Flip one bit of the file at ``offset`` (its middle by default)."""
     with open(path, "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(spill.CorruptSpillFile):
-        store["a"]
-    assert store.is_spilled("a")
-    del store["a"]
-    assert not files(store)
+        size = f.seek(0, os.SEEK_END)
+        offset = size // 2 if offset is None else offset
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x08]))
+
+
+@pytest.mark.parametrize("read", ["getitem", "peek"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove", "header"])
+def test_a_damaged_spill_file_loses_its_key_with_an_error_naming_key_and_file(store, read, damage):
+    store["a"] = arr(0, 8)  # 8 MB of noise: written raw
+    store["b"] = np.full(MB, 2.0)  # compresses
+    store.evict()
+    store.evict()
+    assert store.is_spilled("a") and store.is_spilled("b")
+    path = store._slow["a"][0]
+    if damage == "flip":
+        flip_bit(path)
+    elif damage == "header":
+        flip_bit(path, 20)  # a length in the header
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 1)
+    else:
+        os.unlink(path)
+    with pytest.raises(spill.CorruptSpillFile) as info:
+        store["a"] if read == "getitem" else store.peek("a")
+    assert info.value.key == "a" and info.value.path == path
+    assert "'a'" in str(info.value) and path in str(info.value)
+    assert isinstance(info.value, shoal.CorruptedDataError)
+    # the value is gone, its file too; the rest is as it was
+    assert "a" not in store and not os.path.exists(path)
+    check_totals(store)
+    assert np.array_equal(store["b"], np.full(MB, 2.0))
+
+
+def test_every_bit_flipped_in_a_spill_file_is_caught(tmp_path):
+    """Any one bit, anywhere (header, table, raw and compressed frames): an error,
+    never a different value."""
+    value = {"noise": arr(1, 1)[:1000], "zeros": np.zeros(200_000), "text": "x" * 5000}
+    path = str(tmp_path / "v.spill")
+    size = spill.write_value(path, value)
+    with open(path, "rb") as f:
+        good = f.read()
+    rng = np.random.default_rng(0)
+    offsets = sorted({*range(0, 120), *rng.integers(0, size, 300).tolist(), size - 1})
+    for offset in offsets:
+        with open(path, "wb") as f:
+            f.write(good)
+        flip_bit(path, offset)
+        with pytest.raises(spill.CorruptSpillFile):
+            spill.read_value(path)
+
+
+def test_a_value_whose_unpickling_raises_is_lost_like_a_corrupt_file(store):
+    store["odd"] = Breaks()
+    store.evict()
+    Breaks.broken = True
+    try:
+        with pytest.raises(spill.CorruptSpillFile, match="cannot be read back"):
+            store["odd"]
+    finally:
+        Breaks.broken = False
+    assert "odd" not in store
+    check_totals(store)
+
+
+class Breaks:
+    broken = False
+
+    def __init__(self):
+        self.payload = bytes(1000)
+
+    def __setstate__(self, state):
+        if Breaks.broken:
+            raise RuntimeError("cannot come back")
+        self.__dict__.update(state)
 
 
 def test_actors_never_spill(store):
