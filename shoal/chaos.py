@@ -23,8 +23,9 @@ or read back. What each graph is:
 
 A graph is *wrong* when its value differs from the local one: the one outcome that must
 never happen. It *hangs* when it has no result by its deadline. It may *err* when the
-cluster gave up on it for a reason it names (``KilledWorker``: a task was on
-``allowed_failures`` workers that died); any other error is reported as it is.
+cluster gave up on it for a reason the kills explain (``KilledWorker``: a task was on
+``allowed_failures`` workers that died; ``LostDataError``: a scattered value's one
+holder died); any other error is *unexplained*.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class ChaosReport:
     wrong: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: of ``errors``, those the kills do not explain (see :func:`_explained`)
+    unexplained: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -61,7 +64,8 @@ class ChaosReport:
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.graphs.items()))
         return (f"{self.total} graphs ({kinds}) in {self.seconds:.0f} s, {self.kills} kills: "
-                f"{len(self.wrong)} wrong, {len(self.hangs)} hung, {len(self.errors)} erred")
+                f"{len(self.wrong)} wrong, {len(self.hangs)} hung, {len(self.errors)} erred "
+                f"({len(self.unexplained)} not explained by the kills)")
 
 
 def kill_a_worker(client: Any, rng: random.Random | None = None,
@@ -301,8 +305,6 @@ def _one(client: Any, kind: str, graph_seed: int, deadline: float, report: Chaos
     """Run one graph of ``kind``; file it in ``report``; a line saying what went amiss."""
     import numpy as np
 
-    from .errors import KilledWorker
-
     rng = np.random.default_rng(graph_seed)
     future = None
     try:
@@ -315,16 +317,29 @@ def _one(client: Any, kind: str, graph_seed: int, deadline: float, report: Chaos
         if future is not None:
             client.cancel(future)
         return report.hangs[-1]
-    except KilledWorker as exc:
-        report.errors.append(f"{kind} seed={graph_seed}: KilledWorker: {exc}")
-        return report.errors[-1]
     except Exception as exc:  # noqa: BLE001 - reported as it is
-        report.errors.append(f"{kind} seed={graph_seed}: {type(exc).__name__}: {exc}")
-        return report.errors[-1]
+        line = f"{kind} seed={graph_seed}: {type(exc).__name__}: {exc}"
+        report.errors.append(line)
+        if not _explained(kind, exc):
+            report.unexplained.append(line)
+        return line
     if not same(got, want):
         report.wrong.append(f"{kind} seed={graph_seed}: got {_short(got)}, want {_short(want)}")
         return report.wrong[-1]
     return ""
+
+
+def _explained(kind: str, exc: BaseException) -> bool:
+    """Whether killing workers explains ``exc``: a task that was on ``allowed_failures``
+    workers that died (``KilledWorker``), or a scattered value whose one holder died
+    (``LostDataError``: nothing can make it again), or no worker alive to scatter to."""
+    from .errors import KilledWorker, LostDataError
+
+    if isinstance(exc, KilledWorker):
+        return True
+    if kind == "scatter":
+        return isinstance(exc, LostDataError) or "no workers to scatter to" in str(exc)
+    return False
 
 
 def _is_future(obj: Any) -> bool:
