@@ -332,13 +332,15 @@ def _one(client: Any, kind: str, graph_seed: int, deadline: float, report: Chaos
 def _explained(kind: str, exc: BaseException) -> bool:
     """Whether killing workers explains ``exc``: a task that was on ``allowed_failures``
     workers that died (``KilledWorker``), or a scattered value whose one holder died
-    (``LostDataError``: nothing can make it again), or no worker alive to scatter to."""
-    from .errors import KilledWorker, LostDataError
+    (``LostDataError``: nothing can make it again), or no worker alive to scatter to, or
+    one that died while the scatter sent to it."""
+    from .errors import CommError, KilledWorker, LostDataError
 
     if isinstance(exc, KilledWorker):
         return True
     if kind == "scatter":
-        return isinstance(exc, LostDataError) or "no workers to scatter to" in str(exc)
+        # (a scatter whose worker died while it sent raises the broken connection)
+        return (isinstance(exc, (LostDataError, CommError)) or "no workers to scatter to" in str(exc))
     return False
 
 

@@ -154,8 +154,12 @@ class MissingDataMsg(Msg, tag="missing-data"):
     key: Any
     errant_worker: str
     stimulus_id: str = ""  # what caused it on the sender's side (§6)
+    #: the holder took the request and did not serve the value (answered without it, or
+    #: not within fetch-timeout); false: the fetch failed (a connection that could not
+    #: be made or broke), which says nothing of the holder
+    unserved: bool = False
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
-    optional: ClassVar[tuple[str, ...]] = ("stimulus_id",)
+    optional: ClassVar[tuple[str, ...]] = ("stimulus_id", "unserved")
 
 
 class RescheduleMsg(Msg, tag="reschedule"):

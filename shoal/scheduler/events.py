@@ -203,6 +203,9 @@ class MissingDataEvent(Event):
     errant_worker: str
     #: the worker that says so ("": not known, and not believed)
     worker: str = ""
+    #: ``errant_worker`` took the request and did not serve the value (answered
+    #: without it, or not in time); false: the fetch failed on the way
+    unserved: bool = False
 
 
 @dataclass

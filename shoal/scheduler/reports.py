@@ -141,6 +141,11 @@ class WorkerReports(Placement):
             self._drop_replica(ts, errant)
             self._emit(FreeKeys(self._stimulus, errant.address, [ts.key]))
             return
+        if not ev.unserved:
+            # the fetch failed on the way (no descriptor here or there, a connection
+            # that broke): that says nothing of the holder; the fetching worker bounds
+            # its own attempts (gather-peer-failures) and a dead holder's stream breaks
+            return
         ts.unserved += 1
         if ts.unserved < self.max_unserved:
             return

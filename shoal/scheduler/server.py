@@ -427,7 +427,7 @@ class Scheduler:
                                           ts.group.name if ts is not None and ts.group is not None else None)
                 self._apply(TaskErredEvent(sid, address, msg.key, msg.exception, msg.traceback, msg.text))
             case MissingDataMsg():
-                self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker, address))
+                self._apply(MissingDataEvent(sid, msg.key, msg.errant_worker, address, msg.unserved))
             case AddReplicaMsg():
                 self._apply(ReplicaAddedEvent(sid, address, msg.key, msg.shm))
             case RescheduleMsg():

@@ -134,13 +134,16 @@ class GatherDepFailureEvent(Event):
     #: why the fetch failed, as it travels in ``task-erred``: the tasks that need these
     #: values err with it if this worker gives up on the peer (``max_peer_failures``)
     exception: Any = None
+    #: the peer took the request and did not answer within fetch-timeout (not a
+    #: connection that failed on the way)
+    unserved: bool = False
 
     def logged(self) -> GatherDepFailureEvent:
         """This event for the log: without the exceptions (their text stays)."""
         if self.unsendable is None and self.exception is None:
             return self
         return GatherDepFailureEvent(self.stimulus_id, self.worker, self.requested, self.text,
-                                     _dropped(self.unsendable), _dropped(self.exception))
+                                     _dropped(self.unsendable), _dropped(self.exception), self.unserved)
 
 
 @dataclass

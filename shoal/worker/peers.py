@@ -40,6 +40,12 @@ __all__ = ["PeerData"]
 
 logger = logging.getLogger("shoal.worker")
 
+
+class FetchTimeoutError(CommBrokenError):
+    """A holder took a ``get-data`` request and did not answer within ``fetch-timeout``:
+    the fetch fails as on a broken connection, and the scheduler hears that the holder
+    did not serve the value (``missing-data`` with ``unserved``)."""
+
 #: the states of a key on its way here (fetched, or mapped, from a peer)
 _COMING = ("fetch", "flight")
 #: the store's kinds of values whose buffers lie in shared memory
@@ -100,7 +106,8 @@ class PeerData:
                 text = f"could not fetch {short_repr(inst.keys, 200)} from {inst.worker} ({attempt} attempt(s)): {describe(exc)}"
                 destination = self._scheduler_destination
                 self.handle_stimulus(GatherDepFailureEvent(self._stimulus("gather-failed"), inst.worker, inst.keys, text,
-                                                  exception=exception_for(fetch_error(exc, text), destination)))
+                                                  exception=exception_for(fetch_error(exc, text), destination),
+                                                  unserved=isinstance(exc, FetchTimeoutError)))
                 return
 
     async def _fetch(self, inst: GatherDep) -> None:
@@ -124,8 +131,8 @@ class PeerData:
         except asyncio.TimeoutError:
             comm.abort()
             # a holder that never answers is as good as one that broke the connection
-            raise CommBrokenError(f"{inst.worker} did not answer get-data within {deadline:.1f}s "
-                                  "(fetch-timeout)") from None
+            raise FetchTimeoutError(f"{inst.worker} did not answer get-data within {deadline:.1f}s "
+                                    "(fetch-timeout)") from None
         except BaseException:
             comm.abort()
             raise

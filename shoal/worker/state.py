@@ -414,7 +414,7 @@ class WorkerState(Fetching):
                     ts.origin = "replica"
                     self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
             else:
-                self._missing_on(ts, ev.worker)
+                self._missing_on(ts, ev.worker, unserved=True)
 
     def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
         if ev.unsendable is not None:
@@ -433,7 +433,7 @@ class WorkerState(Fetching):
                 continue  # dropped while handling an earlier key of this request
             ts.coming_from = None
             if failures < self.max_peer_failures:
-                self._missing_on(ts, ev.worker)
+                self._missing_on(ts, ev.worker, unserved=ev.unserved)
                 continue
             # given up on this peer: another holder, or the tasks that need it err
             ts.who_has.discard(ev.worker)
@@ -556,12 +556,18 @@ class WorkerState(Fetching):
         else:
             self._lose(ts)
 
-    def _missing_on(self, ts: WTask, worker: str) -> None:
+    def _missing_on(self, ts: WTask, worker: str, unserved: bool = False) -> None:
+        """``worker`` did not give us ``ts``'s value: ``unserved``, it took the request
+        and did not serve it (answered without it, or not in time); else the fetch
+        failed on the way."""
         if worker == SHM:
             self._shm_failed(ts)
             return
         ts.who_has.discard(worker)
-        self._send({"op": "missing-data", "key": ts.key, "errant_worker": worker})
+        msg: dict[str, Any] = {"op": "missing-data", "key": ts.key, "errant_worker": worker}
+        if unserved:
+            msg["unserved"] = True
+        self._send(msg)
         self._lose(ts)
 
     def _lose(self, ts: WTask) -> None:

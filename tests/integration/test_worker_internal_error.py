@@ -28,11 +28,11 @@ def test_an_internal_error_closes_the_worker_and_its_task_is_computed_elsewhere(
     broke: list[str] = []  # the address of the worker whose machine failed
     original = WorkerState._put
 
-    def put(self: WorkerState, ts: WTask, value: Any) -> None:
+    def put(self: WorkerState, ts: WTask, value: Any, *rest: Any) -> None:
         if ts.key == "x" and not broke:  # the first worker that finishes x, once
             broke.append(self.address)
             raise RuntimeError("a bug in the worker's state machine")
-        original(self, ts, value)
+        original(self, ts, value, *rest)
 
     monkeypatch.setattr(WorkerState, "_put", put)
     try:

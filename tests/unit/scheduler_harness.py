@@ -90,9 +90,10 @@ class Sched:
     def scatter(self, who_has: dict[Any, list[str]], nbytes: dict[Any, int] | None = None, client: str = "c") -> list[Any]:
         return self(UpdateDataEvent(self.sid(), client, who_has, nbytes or {k: 1 for k in who_has}))
 
-    def missing(self, key: Any, errant_worker: str, by: str | None = None) -> list[Any]:
-        """``by`` (default: the errant worker itself) did not get ``key`` from it."""
-        return self(MissingDataEvent(self.sid(), key, errant_worker, errant_worker if by is None else by))
+    def missing(self, key: Any, errant_worker: str, by: str | None = None, unserved: bool = True) -> list[Any]:
+        """``by`` (default: the errant worker itself) did not get ``key`` from it:
+        ``unserved``, it answered without it (or not in time); else the fetch failed."""
+        return self(MissingDataEvent(self.sid(), key, errant_worker, errant_worker if by is None else by, unserved))
 
     def reschedule(self, worker: str, key: Any) -> list[Any]:
         return self(RescheduleEvent(self.sid(), worker, key))

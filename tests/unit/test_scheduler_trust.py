@@ -156,6 +156,23 @@ def test_the_last_holder_is_kept_on_one_word_and_removed_when_it_does_not_serve(
     assert compute_of(out, "y").who_has == {"x": ["w1"]}
 
 
+def test_failed_fetches_from_the_last_holder_never_remove_it(s: Sched) -> None:
+    """A fetch that failed on the way (no descriptor on either side, a connection that
+    broke) says nothing of the holder: however many such reports come, it stays, and
+    the fetching worker bounds its own attempts."""
+    s.add_worker("a", nthreads=2)
+    s.submit(task("x", workers=["a"]), wanted=["x"])
+    s.finish("a", "x")
+    s.add_worker("b", nthreads=2)
+    s.submit(task("y", "x", workers=["b"]), wanted=["y"])
+    for _ in range(5):
+        out = s.missing("x", "a", by="b", unserved=False)
+        assert not [i for i in out if isinstance(i, CloseWorkerStream)]
+        assert holders(s, "x") == {"a"} and "a" in s.state.workers
+        s.reschedule("b", "y")
+    assert s.states() == {"x": "memory", "y": "processing"}
+
+
 def test_a_scattered_value_its_holder_does_not_serve_errs_with_lost_data(s: Sched) -> None:
     s.add_worker("w1")
     s.add_worker("bad")

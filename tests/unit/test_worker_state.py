@@ -70,7 +70,7 @@ def test_messages_carry_the_stimulus_that_caused_them(w: Wk) -> None:
     assert [i.msg for i in out if isinstance(i, SendMsg)] == [{"op": "reschedule", "key": "u", "stimulus_id": "compute-2"}]
     out = w(GatherDepSuccessEvent("gather-1", "p1", {}, ["a"]))
     assert [i.msg for i in out if isinstance(i, SendMsg)] == [
-        {"op": "missing-data", "key": "a", "errant_worker": "p1", "stimulus_id": "gather-1"},
+        {"op": "missing-data", "key": "a", "errant_worker": "p1", "unserved": True, "stimulus_id": "gather-1"},
         {"op": "reschedule", "key": "t", "stimulus_id": "gather-1"},
     ]
     w(ComputeTaskEvent("compute-3", "x", "p", {}, {}, (0,)))
@@ -250,7 +250,7 @@ def test_missing_data_on_a_peer_is_reported_and_fetched_from_another(w: Wk) -> N
     out = w.compute("t", {"a": ["p1", "p2"]})
     assert gathers(out) == [("p1", ["a"], 1)]
     out = w.gathered("p1", {}, ["a"])
-    assert sent(out) == [{"op": "missing-data", "key": "a", "errant_worker": "p1"}]
+    assert sent(out) == [{"op": "missing-data", "key": "a", "errant_worker": "p1", "unserved": True}]
     assert gathers(out) == [("p2", ["a"], 1)]
     out = w.gathered("p2", {"a": 1}, ["a"])
     assert executes(out) == ["t"]
@@ -301,6 +301,18 @@ def test_gather_failure_forgets_that_peer() -> None:
     assert sorted(ops(out)) == [("missing-data", "a"), ("missing-data", "b")]
     # one peer at a time (max_gathers=1), by priority
     assert gathers(out) == [("p2", ["a"], 1)]
+
+
+def test_missing_data_says_whether_the_holder_took_the_request_and_did_not_serve() -> None:
+    """A fetch that failed on the way says nothing of the holder; one it took and did
+    not answer in time (the fetch deadline) is ``unserved``, as an answer without the
+    key is: only those count towards the scheduler removing a last holder."""
+    for unserved in (False, True):
+        w = Wk()
+        w(w.compute_event("t1", {"a": ["p1", "p2"]}))
+        out = w(GatherDepFailureEvent(w.sid(), "p1", ["a"], "no answer", exception="the error", unserved=unserved))
+        reports = [i.msg for i in out if isinstance(i, SendMsg) and i.msg["op"] == "missing-data"]
+        assert len(reports) == 1 and reports[0].get("unserved", False) is unserved
 
 
 def test_gather_failure_gives_back_tasks_whose_inputs_had_no_other_holder() -> None:
