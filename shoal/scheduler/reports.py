@@ -74,13 +74,23 @@ class WorkerReports(Placement):
         ts.inline = ev.value
         self._recommend(self._transition(ts, "memory", ws))
 
-    def _task_erred(self, ev: TaskErredEvent) -> None:
+    def _assigned(self, ev: TaskErredEvent | RescheduleEvent | LongRunningEvent,
+                  op: str) -> tuple[TaskState, WorkerState] | None:
+        """The task ``ev`` is about and the worker that sent it, when the task runs
+        there; else None (the report is not believed, and logged as such)."""
         ts = self.tasks.get(ev.key)
         ws = self.workers.get(ev.worker)
         if ts is None or ws is None or ts.processing_on is not ws:
             if ts is not None and ws is not None:
-                self._disbelieve(ws, "task-erred", ts)
+                self._disbelieve(ws, op, ts)
+            return None
+        return ts, ws
+
+    def _task_erred(self, ev: TaskErredEvent) -> None:
+        found = self._assigned(ev, "task-erred")
+        if found is None:
             return
+        ts, _ = found
         if ts.retries > 0:
             ts.retries -= 1
             self._recommend(self._transition(ts, "waiting"))
@@ -182,20 +192,14 @@ class WorkerReports(Placement):
                                             f"not believed ({n} report(s) of this worker so far)"))
 
     def _reschedule(self, ev: RescheduleEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.processing_on is not ws:
-            if ts is not None and ws is not None:
-                self._disbelieve(ws, "reschedule", ts)
-            return
-        self._recommend(self._transition(ts, "waiting"))
+        found = self._assigned(ev, "reschedule")
+        if found is not None:
+            self._recommend(self._transition(found[0], "waiting"))
 
     def _long_running(self, ev: LongRunningEvent) -> None:
-        ts = self.tasks.get(ev.key)
-        ws = self.workers.get(ev.worker)
-        if ts is None or ws is None or ts.processing_on is not ws:
-            if ts is not None and ws is not None:
-                self._disbelieve(ws, "long-running", ts)
+        found = self._assigned(ev, "long-running")
+        if found is None:
             return
+        ts, ws = found
         ws.long_running.add(ts)  # its slot is free: handle() fills it from the queue
         self._touch(ws)

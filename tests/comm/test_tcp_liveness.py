@@ -16,7 +16,7 @@ import time
 import pytest
 
 from shoal import config
-from shoal.comm import connect, listen
+from comm_pairs import comm_pair
 from shoal.comm.liveness import set_liveness, window_state, watch_window
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's TCP_INFO and TCP_USER_TIMEOUT")
@@ -110,18 +110,7 @@ async def test_a_comm_whose_reader_stops_reading_for_many_timeouts_delivers_ever
     messages until its writes block, for many times ``tcp-timeout``; then every message
     arrives whole and in order, and both ends still work."""
     with config.set(tcp_timeout=TIMEOUT):
-        accepted: asyncio.Queue = asyncio.Queue()
-        release = asyncio.Event()
-
-        async def handler(comm):  # type: ignore[no-untyped-def]
-            await accepted.put(comm)
-            await release.wait()
-
-        listener = await listen("tcp://127.0.0.1:0", handler)
-        client = server = None
-        try:
-            client = await connect(listener.contact_address)
-            server = await asyncio.wait_for(accepted.get(), 10)
+        async with comm_pair("tcp://127.0.0.1:0") as (client, server):
             sent = 0
             stop = asyncio.Event()
 
@@ -156,9 +145,3 @@ async def test_a_comm_whose_reader_stops_reading_for_many_timeouts_delivers_ever
             assert sent > 64  # more than the reader's queue holds
             await server.write({"back": 1})
             assert (await asyncio.wait_for(client.read(), 10)) == {"back": 1}
-        finally:
-            release.set()
-            for comm in (client, server):
-                if comm is not None:
-                    comm.abort()
-            listener.stop()
