@@ -71,6 +71,26 @@ MAX_RETRY_DELAY = 2.0
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
+def raised_while_importing(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of Python's import machinery (a module's import failed
+    or ran into another's half-done initialization). Two threads of one process that
+    import modules of a package with circular imports at the same moment (a task's
+    thread unpickling its payload, the offload thread unpickling a fetched value, in a
+    worker just started) can see each other's modules half initialized: Python breaks
+    the deadlock that way, and the import raises ``ImportError: ... partially
+    initialized module`` or a stray ``KeyError``. Done again a moment later, it works."""
+    if isinstance(exc, ImportError) and "partially initialized module" in str(exc):
+        return True
+    # raised by a module's own code while it was imported (Python takes its import
+    # machinery's frames out of tracebacks; the module's body stays)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "<module>":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def may_pass(exc: BaseException) -> bool:
     """Whether a fetch that failed with ``exc`` may work if tried again soon: this
     process (or the peer, which then drops the connection during its handshake) ran out

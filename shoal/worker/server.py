@@ -56,7 +56,7 @@ from .memory import Thresholds, parse_memory_limit
 from .diagnostics import CpuMeter, Traffic
 from .monitor import MemoryMonitor, memory_report
 from .store import WorkerStore
-from .outcomes import failure_event, inline_value
+from .outcomes import raised_while_importing, failure_event, inline_value
 from .peers import PeerData, WaitingRequest
 from .threads import TaskThreads
 from .state import (
@@ -528,16 +528,25 @@ class Worker(PeerData):
             context.enter_task(self, key)
             try:
                 try:
-                    spec = payload
-                    if isinstance(spec, Serialize):
-                        spec = spec.data
-                    elif isinstance(spec, Serialized):
-                        spec = deserialize(spec)
-                    if not isinstance(spec, RunSpec):
-                        raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
-                    began = time.time()
-                    start = time.perf_counter()
-                    value = run(spec, deps)
+                    for attempt in (1, 2):
+                        try:
+                            spec = payload
+                            if isinstance(spec, Serialize):
+                                spec = spec.data
+                            elif isinstance(spec, Serialized):
+                                spec = deserialize(spec)
+                            if not isinstance(spec, RunSpec):
+                                raise TypeError(f"task {key!r} has no runnable payload (got {type(spec).__name__})")
+                            began = time.time()
+                            start = time.perf_counter()
+                            value = run(spec, deps)
+                            break
+                        except Exception as exc:
+                            # an import that met another thread's half-done one (see
+                            # raised_while_importing) is done again once; a module that
+                            # is really missing fails the same way twice
+                            if attempt == 2 or not raised_while_importing(exc):
+                                raise
                     # a task that seceded computed until then; the rest it waited
                     duration = (context.seceded_at() or time.perf_counter()) - start
                 except BaseException as exc:  # noqa: BLE001 - user code may raise anything
