@@ -29,12 +29,22 @@ _DEFAULTS: dict[str, Any] = {
     # tcp: a request connection (not a stream) idle this many seconds is closed by the
     # server; pools stop reusing their idle connections after half as long (0: never)
     "idle-timeout": 300.0,
-    # tcp listeners: connections still in their handshake, at most, in all and from one
-    # peer host; more are refused at once
+    # tcp and tls listeners: connections still in their handshake (strangers: not yet
+    # authenticated; over tls the TLS handshake counts), at most, in all and from one
+    # peer address. A newcomer is always taken: at the limit, the oldest stranger from
+    # its address (per host), or the oldest of all, is closed to make room for it
+    # (docs/protocol.md §3.2). Authenticated connections do not count against these
     "max-handshaking": 256,
     "max-handshaking-per-host": 128,
-    # tcp listeners: open connections at most (handshaking ones included)
+    # tcp and tls listeners: open connections at most, strangers and authenticated
+    # ones together; at the limit a newcomer closes the oldest stranger, and is refused
+    # only when every open connection is authenticated
     "max-connections": 8192,
+    # when fewer than this fraction of the process's descriptor limit (raised to the
+    # hard limit when a listener starts) is free, each new connection closes the two
+    # oldest strangers of the process's listeners; an accept or an outgoing connection
+    # that finds no descriptor closes strangers first, and fails only without any
+    "descriptor-reserve": 0.125,
     # frames at least this large are written with a zero-copy path
     "large-frame-bytes": 1 << 20,
     # seconds a connect() waits, including the handshake

@@ -36,7 +36,6 @@ import os
 import socket
 import ssl
 import struct
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -54,9 +53,9 @@ from ..errors import (
 from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
 from .framing import alloc_buffer, checksum_trailer
-from . import security as _security
-from .core import Backend, Comm, Handler, Listener, register_backend, run_handler
-from .handshake import ACCEPTOR, CONNECTOR, run_handshake
+from .admission import relieve
+from .core import Backend, Comm, Handler, register_backend
+from .handshake import CONNECTOR, run_handshake
 from .liveness import set_liveness, watch_window
 from .shm_family import receiving_from
 from .shm_registry import registry
@@ -505,151 +504,6 @@ def _format(host: str, port: int, scheme: str = "tcp") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-class TCPListener(Listener):
-    scheme = "tcp"
-
-    def __init__(self, location: str, handler: Handler, deserialize: bool, security: Security | None = None):
-        host, port = _split_hostport(location or "127.0.0.1:0")
-        self.host, self.port = host, port
-        self.handler = handler
-        self.deserialize = deserialize
-        self.security = security
-        self.server: asyncio.base_events.Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        #: connections still in their handshake (strangers), in all and per peer host
-        self._strangers = 0
-        self._strangers_by_host: dict[str, int] = {}
-        self._open = 0  # connections past their handshake, still served
-        self._refusals_logged = 0
-
-    async def start(self) -> None:
-        self._check_plain()
-        loop = self._loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: _FrameProtocol(self._on_connection),
-            self.host or None,
-            self.port,
-            backlog=1024,
-            reuse_address=True,
-            **self._server_kwargs(),
-        )
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    def _check_plain(self) -> None:
-        if self.security is not None and self.security.require_encryption:
-            raise ValueError("this Security requires encryption: listen on a tls:// address")
-
-    def _server_kwargs(self) -> dict[str, Any]:
-        return {}
-
-    def _on_connection(self, protocol: _FrameProtocol) -> None:
-        transport = protocol.transport
-        assert transport is not None
-        peer = transport.get_extra_info("peername")
-        local = transport.get_extra_info("sockname")
-        if peer is None or local is None:
-            transport.abort()  # gone as it came
-            return
-        host = str(peer[0])
-        if self._open + self._strangers >= config.get("max-connections"):
-            self._log_refusal(f"refused a connection from {host}: {self._open + self._strangers} connections "
-                              "are open (max-connections)")
-            transport.abort()
-            return
-        if (self._strangers >= config.get("max-handshaking")
-                or self._strangers_by_host.get(host, 0) >= config.get("max-handshaking-per-host")):
-            # too many connections that have not proven anything yet
-            self._log_refusal(f"refused a connection from {host}: {self._strangers} connections are in "
-                              "their handshake (max-handshaking / max-handshaking-per-host)")
-            transport.abort()
-            return
-        try:
-            comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme),
-                                   _format(peer[0], peer[1], self.scheme))
-        except CommError as exc:
-            self._log_refusal(f"could not take a connection from {host}: {exc}")
-            return
-        self._strangers += 1
-        self._strangers_by_host[host] = self._strangers_by_host.get(host, 0) + 1
-        task = asyncio.ensure_future(self._serve(comm, host))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _make_comm(self, protocol: _FrameProtocol, local: str, peer: str) -> TCPComm:
-        return TCPComm(protocol, local, peer, self.deserialize)
-
-    def _log_refusal(self, text: str) -> None:
-        # a flood of refusals is logged a few times, not once per connection
-        self._refusals_logged += 1
-        if self._refusals_logged <= 10 or self._refusals_logged % 1000 == 0:
-            logger.warning("%s (refusal %d)", text, self._refusals_logged)
-
-    async def _serve(self, comm: TCPComm, host: str) -> None:
-        try:
-            await run_handshake(comm, ACCEPTOR, self.security, _HANDSHAKE_TIMEOUT)
-        except HandshakeError as exc:
-            self._log_refusal(str(exc))
-            return
-        except Exception:
-            # a bug: said loudly, and only this connection pays
-            logger.exception("the handshake with %s failed; closing the connection", comm.peer_address)
-            comm.abort()
-            return
-        finally:
-            self._strangers -= 1
-            left = self._strangers_by_host.get(host, 1) - 1
-            if left:
-                self._strangers_by_host[host] = left
-            else:
-                self._strangers_by_host.pop(host, None)
-        self._open += 1
-        try:
-            await run_handler(self.handler, comm)
-        finally:
-            self._open -= 1
-
-    def stop(self) -> None:
-        """Stop accepting connections; callable from any thread (the server belongs to
-        the loop that started it, and is closed there)."""
-        server, loop = self.server, self._loop
-        if self.registered:
-            _security.unregister(self.registered)
-        if server is None:
-            return
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        if loop is None or here is loop or loop.is_closed() or not loop.is_running():
-            server.close()
-            return
-        closed = threading.Event()
-
-        def close() -> None:
-            try:
-                server.close()
-            finally:
-                closed.set()
-
-        loop.call_soon_threadsafe(close)
-        closed.wait(10)
-
-    @property
-    def listen_address(self) -> str:
-        return _format(self.host or "0.0.0.0", self.port, self.scheme)
-
-    @property
-    def contact_address(self) -> str:
-        host = self.host
-        if host in ("", "0.0.0.0", "::"):
-            try:
-                host = socket.gethostbyname(socket.gethostname())
-            except OSError:
-                host = "127.0.0.1"
-        return _format(host, self.port, self.scheme)
-
-
 class TCPBackend(Backend):
     scheme = "tcp"
 
@@ -673,13 +527,25 @@ class TCPBackend(Backend):
                     transport.abort()
                     raise HandshakeError(f"refused connection to {address}: {protocol.error}")
                 local = transport.get_extra_info("sockname")
-                comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme), address, deserialize)
+                try:
+                    comm = self._make_comm(protocol, _format(local[0], local[1], self.scheme), address, deserialize)
+                except CommConnectError as exc:
+                    cause = exc.__cause__
+                    if isinstance(cause, OSError) and cause.errno in _OUT_OF_RESOURCES:
+                        raise cause from None  # out of descriptors for the writer's: as below
+                    raise
                 break
             except ssl.SSLError as exc:
                 # the peer's certificate (or ours, to the peer) is not the cluster's
                 raise HandshakeError(f"refused connection to {address}: TLS handshake failed: {exc}") from exc
             except OSError as exc:
                 if exc.errno in _OUT_OF_RESOURCES:
+                    if exc.errno in _NO_DESCRIPTORS and loop.time() + delay < deadline and relieve(_RELIEF):
+                        # strangers of this process's listeners made room: their
+                        # descriptors come free as their connections close, shortly
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.25)
+                        continue
                     # this process's trouble, not the peer's: waiting here would not help
                     raise _descriptor_error(exc, address) from exc
                 if loop.time() + delay >= deadline:
@@ -710,7 +576,11 @@ class TCPBackend(Backend):
 
 
 #: errors of this process's own resources: they fail the connection at hand at once
+#: (out of descriptors: once no stranger of a listener here is left to make room)
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_NO_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+#: strangers evicted each time an outgoing connection finds no descriptor
+_RELIEF = 4
 
 
 def _descriptor_error(exc: OSError, peer: str) -> CommError:
@@ -723,5 +593,8 @@ def _descriptor_error(exc: OSError, peer: str) -> CommError:
         return CommConnectError(f"cannot open a connection to {peer}: out of memory for a socket ({exc.strerror})")
     return CommBrokenError(f"connection to {peer} failed as it was set up: {exc}")
 
+
+# (the listener builds on TCPComm)
+from .listener import TCPListener  # noqa: E402
 
 register_backend("tcp", TCPBackend())

@@ -23,7 +23,8 @@ from ..protocol import prepare
 from .core import register_backend
 from .framing import FrameProtocol
 from .security import Security
-from .tcp import TCPBackend, TCPComm, TCPListener, _buffers, offload_executor
+from .listener import TCPListener
+from .tcp import TCPBackend, TCPComm, _buffers, offload_executor
 
 __all__ = ["TLSComm", "TLSListener", "TLSBackend"]
 
@@ -99,9 +100,13 @@ class TLSListener(TCPListener):
     def _check_plain(self) -> None:
         pass
 
-    def _server_kwargs(self) -> dict[str, Any]:
+    def _accept_kwargs(self) -> dict[str, Any]:
+        # the TLS handshake is the first part of a stranger's time, with its own timeout
         assert self.security is not None
         return {"ssl": self.security.ssl_context(server=True), "ssl_handshake_timeout": _HANDSHAKE_TIMEOUT}
+
+    def _refusal(self) -> bytes:
+        return b""  # no TLS session to say it in: the connection is closed
 
     def _make_comm(self, protocol: FrameProtocol, local: str, peer: str) -> TCPComm:
         return TLSComm(protocol, local, peer, self.deserialize)

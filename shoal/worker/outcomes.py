@@ -18,6 +18,7 @@ from ..errors import (
     SerializationError,
     describe,
 )
+from ..comm.admission import OUT_OF_DESCRIPTORS
 from ..protocol import SAME_PROCESS, serialize, to_serialize
 from .events import ExecuteFailureEvent
 
@@ -93,12 +94,15 @@ def raised_while_importing(exc: BaseException) -> bool:
 
 def may_pass(exc: BaseException) -> bool:
     """Whether a fetch that failed with ``exc`` may work if tried again soon: this
-    process (or the peer, which then drops the connection during its handshake) ran out
-    of descriptors or memory, or the answer's bytes failed their checksums on the way
-    (the peer's copy is likely fine). A refusal, a timeout (connecting waited already),
-    a peer that broke off a request or a bad answer are not tried again."""
+    process (or the peer, which then refuses the connection saying so, or drops it during
+    its handshake) ran out of descriptors or memory, or the answer's bytes failed their
+    checksums on the way (the peer's copy is likely fine). Another refusal, a timeout
+    (connecting waited already), a peer that broke off a request or a bad answer are not
+    tried again."""
     if isinstance(exc, AuthenticationError):
         return False
+    if isinstance(exc, HandshakeError) and OUT_OF_DESCRIPTORS in str(exc):
+        return True
     if isinstance(exc, CorruptedDataError):
         return True
     seen: set[int] = set()

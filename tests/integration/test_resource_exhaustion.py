@@ -283,7 +283,8 @@ def _restore_descriptors(pid: int, soft: int) -> None:
 @needs_namespace
 @pytest.mark.parametrize(("starved", "error", "says"), [
     ("b", shoal.CommConnectError, "this process is out of file descriptors"),
-    ("a", shoal.HandshakeError, "peer closed the connection"),
+    # the peer accepts with a descriptor kept for this, says why it refuses, and closes
+    ("a", shoal.HandshakeError, "refused the connection: this process is out of file descriptors"),
 ], ids=["fetching-worker", "peer"])
 def test_fetches_without_descriptors_are_bounded_then_the_task_errs_and_the_worker_recovers(
         start: Any, starved: str, error: type[Exception], says: str) -> None:
