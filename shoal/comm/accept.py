@@ -154,11 +154,15 @@ class Acceptor:
 
     def _no_descriptors(self, lsock: socket.socket, exc: OSError) -> None:
         self.out_of_descriptors += 1
-        if admission.relieve(_RELIEF):
+        self._logged += 1
+        evicted = admission.relieve(_RELIEF)
+        if evicted:
+            if self._logged <= 10 or self._logged % 1000 == 0:
+                logger.warning("%s: closed %d connection(s) still in their handshake, the oldest first, to "
+                               "accept new ones on %s", exc.strerror, evicted, _name(lsock))
             # their descriptors come free as their transports close, on the next turns
             self._pause(_RELIEF_PAUSE)
             return
-        self._logged += 1
         if self._logged <= 10 or self._logged % 1000 == 0:
             logger.warning("%s: no descriptor to accept a connection on %s, and no connection in its "
                            "handshake to close; refusing new connections until some close (raise the "

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import CommError, HandshakeError
+from ..errors import CommBrokenError, CommError, HandshakeError
 from ..protocol import PROTOCOL_VERSION
 from ..protocol.messages import HandshakeRefusedMsg, to_wire
 from . import security as _security
@@ -57,7 +57,18 @@ class _Watched(_FrameProtocol):
     def __init__(self, table: AdmissionTable, entry: Stranger, tls: bool):
         super().__init__()
         self._watch: tuple[AdmissionTable, Stranger] | None = (table, entry)
+        self._entry = entry
         self._tls = tls
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.error is None and self._entry.state == "stranger":
+            # a stranger that goes in the middle of its handshake is the listener's to
+            # log, a few times in a flood (a warning for each would be a way to fill
+            # the log)
+            err = CommBrokenError("peer closed the connection during the handshake" + (f": {exc}" if exc else ""))
+            err.__cause__ = exc
+            self.error = err
+        super().connection_lost(exc)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -116,7 +127,8 @@ class TCPListener(Listener):
         self._tasks: set[asyncio.Task[None]] = set()
         #: connections in their handshake (strangers) and past it, by arrival
         self.admission = AdmissionTable()
-        self._refusals_logged = 0
+        #: how many of each kind of refusal were logged (evictions, refusals)
+        self._logged: dict[str, int] = {}
 
     async def start(self) -> None:
         self._check_plain()
@@ -150,14 +162,14 @@ class TCPListener(Listener):
             # few descriptors left: strangers (of any listener here) make room first
             evicted = relieve(relief)
             if evicted:
-                self._log_refusal(f"few file descriptors are left: closed the {evicted} oldest connection(s) "
-                                  "still in their handshake (descriptor-reserve)")
+                self._log_refusal(f"few file descriptors are left: closed {evicted} connection(s) still in their "
+                                  "handshake, the oldest first (descriptor-reserve)", "evicted")
         table = self.admission
         entry, evicted_for = table.admit(host)
         for old, why in evicted_for:
             old.evict()
             self._log_refusal(f"closed the oldest connection in its handshake from {old.host} to make room "
-                              f"for one from {host} ({why})")
+                              f"for one from {host} ({why})", "evicted")
         if entry is None:
             self._log_refusal(f"refused a connection from {host}: {table.established} connections are open, "
                               "all past their handshake (max-connections)")
@@ -245,11 +257,12 @@ class TCPListener(Listener):
     def _make_comm(self, protocol: _FrameProtocol, local: str, peer: str) -> TCPComm:
         return TCPComm(protocol, local, peer, self.deserialize)
 
-    def _log_refusal(self, text: str) -> None:
-        # a flood of refusals is logged a few times, not once per connection
-        self._refusals_logged += 1
-        if self._refusals_logged <= 10 or self._refusals_logged % 1000 == 0:
-            logger.warning("%s (refusal %d)", text, self._refusals_logged)
+    def _log_refusal(self, text: str, kind: str = "refusal") -> None:
+        # a flood is logged a few times, not once per connection (each kind of
+        # message on its own: evictions do not hide the refusals)
+        n = self._logged[kind] = self._logged.get(kind, 0) + 1
+        if n <= 10 or n % 1000 == 0:
+            logger.warning("%s (%s %d)", text, kind, n)
 
     def stop(self) -> None:
         """Stop accepting connections; callable from any thread (the listening sockets

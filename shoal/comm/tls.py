@@ -29,6 +29,8 @@ from .tcp import TCPBackend, TCPComm, _buffers, offload_executor
 __all__ = ["TLSComm", "TLSListener", "TLSBackend"]
 
 _HANDSHAKE_TIMEOUT = 10.0
+#: how long closing waits for the peer's side of the TLS shutdown before aborting
+_SHUTDOWN_WAIT = 2.0
 
 
 class TLSComm(TCPComm):
@@ -41,6 +43,30 @@ class TLSComm(TCPComm):
 
     def _close_wsock(self) -> None:
         self._protocol.wake_writers(CommBrokenError(f"connection to {self.peer_address} was lost"))
+
+    #: resolved when the connection is lost, once close() waits for it
+    _gone: asyncio.Future[None] | None = None
+
+    def _on_lost(self) -> None:
+        super()._on_lost()
+        if self._gone is not None and not self._gone.done():
+            self._gone.set_result(None)
+
+    async def close(self) -> None:
+        """Close, waiting (briefly) for the TLS shutdown to finish: closing a TLS
+        transport starts an exchange of close_notify with the peer that ends on the
+        loop later, and a loop closed meanwhile (a client's, as it leaves) finds the
+        transport half-closed (uvloop: an error, a leaked socket)."""
+        if self._closed:
+            return
+        self._gone = self._loop.create_future()
+        await super().close()
+        if self._lost:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._gone), _SHUTDOWN_WAIT)
+        except asyncio.TimeoutError:
+            self._transport.abort()
 
     def write_nowait(self, msg: Any) -> bool:
         if self._writers or self._protocol.write_paused:
