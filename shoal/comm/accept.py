@@ -155,7 +155,7 @@ class Acceptor:
     def _no_descriptors(self, lsock: socket.socket, exc: OSError) -> None:
         self.out_of_descriptors += 1
         self._logged += 1
-        evicted = admission.relieve(_RELIEF)
+        evicted = admission.relieve(_RELIEF, self._loop)
         if evicted:
             if self._logged <= 10 or self._logged % 1000 == 0:
                 logger.warning("%s: closed %d connection(s) still in their handshake, the oldest first, to "
@@ -163,11 +163,15 @@ class Acceptor:
             # their descriptors come free as their transports close, on the next turns
             self._pause(_RELIEF_PAUSE)
             return
-        if self._logged <= 10 or self._logged % 1000 == 0:
-            logger.warning("%s: no descriptor to accept a connection on %s, and no connection in its "
-                           "handshake to close; refusing new connections until some close (raise the "
-                           "limit: ulimit -n)", exc.strerror, _name(lsock))
-        self._refuse_one(lsock)
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            if self._logged <= 10 or self._logged % 1000 == 0:
+                logger.warning("%s: cannot accept a connection on %s; trying again shortly", exc.strerror, _name(lsock))
+        else:
+            if self._logged <= 10 or self._logged % 1000 == 0:
+                logger.warning("%s: no descriptor to accept a connection on %s, and no connection in its "
+                               "handshake to close; refusing new connections until some close (raise the "
+                               "limit: ulimit -n)", exc.strerror, _name(lsock))
+            self._refuse_one(lsock)
         self._pause(self._pause_after_out)
         self._pause_after_out = min(2 * self._pause_after_out, _OUT_PAUSES[1])
 

@@ -31,8 +31,8 @@ each time, which needs no secret) can still crowd them out: limits per address c
 tell two processes of one address apart.
 
 Descriptors are the process's, not a listener's: :func:`relieve` evicts strangers of
-every table of this process (in the same order, by sequence numbers shared by all
-tables), when accepting fails for want of descriptors, when few are left
+every table of this process on the same event loop (in the same order, by sequence
+numbers shared by all tables; another loop's connections are its own to close), when accepting fails for want of descriptors, when few are left
 (:func:`descriptor_relief`: fewer than ``descriptor-reserve`` of the limit), and when an
 outgoing connection cannot get one. :func:`raise_descriptor_limit` lifts the process's
 soft ``RLIMIT_NOFILE`` to its hard limit when a listener starts.
@@ -138,7 +138,10 @@ def check_limits() -> None:
 class AdmissionTable:
     """The strangers and established connections of one listener (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: object = None) -> None:
+        #: the event loop of the listener (relieve() acts on the tables of its own
+        #: loop only: evicting closes connections, which only their loop may do)
+        self.loop = loop
         #: strangers in the order they go, in all and per peer address
         self._strangers = _Queue()
         self._by_host: dict[str, _Queue] = {}
@@ -234,12 +237,12 @@ class AdmissionTable:
         assert self.established >= 0
 
 
-def relieve(n: int) -> int:
-    """Evict ``n`` strangers of the listeners of this process, the ones that go first
-    (those that have not spoken, the oldest first, then the others), to free their
-    descriptors (which their connections release on the event loop's next turns).
-    Returns how many there were."""
-    candidates = [e for t in list(_tables) for e in itertools.islice(t._strangers, n)]
+def relieve(n: int, loop: object) -> int:
+    """Evict ``n`` strangers of the listeners of this process that run on ``loop``, the
+    ones that go first (those that have not spoken, the oldest first, then the others),
+    to free their descriptors (which their connections release on the loop's next
+    turns). Returns how many there were."""
+    candidates = [e for t in list(_tables) if t.loop is loop for e in itertools.islice(t._strangers, n)]
     candidates.sort(key=lambda e: (e.spoke, e.order))
     victims = candidates[:n]
     for entry in victims:

@@ -12,6 +12,7 @@ room for a newcomer (the oldest first, docs/protocol.md §3.2) or for descriptor
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -134,7 +135,7 @@ class TCPListener(Listener):
         self._check_plain()
         check_limits()
         raise_descriptor_limit()
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.admission.loop = asyncio.get_running_loop()
         self._acceptor = Acceptor(self._accepted, self._refusal())
         self.port = await self._acceptor.open(self.host, self.port, backlog=_BACKLOG)
 
@@ -160,7 +161,7 @@ class TCPListener(Listener):
         relief = descriptor_relief(sock.fileno())
         if relief:
             # few descriptors left: strangers (of any listener here) make room first
-            evicted = relieve(relief)
+            evicted = relieve(relief, self._loop)
             if evicted:
                 self._log_refusal(f"few file descriptors are left: closed {evicted} connection(s) still in their "
                                   "handshake, the oldest first (descriptor-reserve)", "evicted")
@@ -181,10 +182,12 @@ class TCPListener(Listener):
         task = self._loop.create_task(self._serve(conn, host))
         conn.task = task
         self._tasks.add(task)
-        task.add_done_callback(self._served)
+        task.add_done_callback(functools.partial(self._served, conn))
 
-    def _served(self, task: asyncio.Task[None]) -> None:
+    def _served(self, conn: _Accepted, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        if not conn.taken and conn.sock is not None:
+            conn.sock.close()  # cancelled before it started (the loop is closing)
         if self._acceptor is not None:
             self._acceptor.wake()  # a descriptor came free
         if not task.cancelled() and task.exception() is not None:

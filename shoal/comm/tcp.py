@@ -540,7 +540,7 @@ class TCPBackend(Backend):
                 raise HandshakeError(f"refused connection to {address}: TLS handshake failed: {exc}") from exc
             except OSError as exc:
                 if exc.errno in _OUT_OF_RESOURCES:
-                    if exc.errno in _NO_DESCRIPTORS and loop.time() + delay < deadline and relieve(_RELIEF):
+                    if exc.errno in _NO_DESCRIPTORS and loop.time() + delay < deadline and relieve(_RELIEF, loop):
                         # strangers of this process's listeners made room: their
                         # descriptors come free as their connections close, shortly
                         await asyncio.sleep(delay)

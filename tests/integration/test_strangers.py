@@ -16,7 +16,8 @@ listener closes them.
 - 5 of 5 new local clients connect while 500 half-open connections are held (before
   issue 35: 0 of 5, the newcomers were refused for as long as they were held).
 - A listener out of descriptors closes strangers first, tells a connection it cannot
-  take why (a clear error), and accepts again as soon as descriptors are back.
+  take why (a clear error), and accepts again as soon as descriptors are back; a process
+  that listens raises its soft descriptor limit to the hard one.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Cluster:
     """Shoal processes started by the test (their stderr in files, read after), with a
     secret (and certificates over tls) given in their environment."""
 
-    def __init__(self, tmp: Any, sec: Security, env: dict[str, str] | None = None, descriptors: int = 0):
+    def __init__(self, tmp: Any, sec: Security, env: dict[str, str] | None = None,
+                 descriptors: int | tuple[int, int] = 0):
         self.tmp = tmp
         self.sec = sec
         self.env = {**os.environ, **sec.to_env(), **(env or {})}
@@ -84,7 +86,7 @@ class Cluster:
 
         def limited() -> None:
             if limit:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+                resource.setrlimit(resource.RLIMIT_NOFILE, limit if isinstance(limit, tuple) else (limit, limit))
 
         with open(path, "wb") as err:
             p = subprocess.Popen([sys.executable, "-c", _RUN, *args], stdout=subprocess.PIPE, stderr=err,
@@ -288,3 +290,10 @@ def test_out_of_descriptors_strangers_go_first_then_a_clear_refusal_then_it_acce
     assert "connection(s) still in their handshake, the oldest first" in log, log[-5000:]
     assert "no connection in its handshake to close" in log, log[-5000:]
     assert "Traceback" not in log, log[-5000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_listens_raises_its_descriptor_limit_to_the_hard_limit(make_cluster: Any) -> None:
+    cluster = make_cluster(Security.new(), descriptors=(256, 4096))
+    cluster.start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(free_port()))
+    assert resource.prlimit(cluster.procs[0].pid, resource.RLIMIT_NOFILE) == (4096, 4096)

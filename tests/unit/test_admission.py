@@ -42,6 +42,26 @@ def test_a_newcomer_from_a_full_host_closes_that_hosts_oldest(table: AdmissionTa
         assert b1.state == "stranger"
 
 
+def test_strangers_that_spoke_go_after_those_that_did_not(table: AdmissionTable) -> None:
+    """A stranger that sent a whole message (tls: finished its TLS handshake) is kept
+    over silent or dribbling ones, however many newer ones come."""
+    with config.set(max_handshaking_per_host=3, max_handshaking=10):
+        legit, _ = _admit(table, "a")
+        table.spoke(legit)
+        for _ in range(20):  # a flood of silent ones: each closes the oldest silent one
+            _, out = _admit(table, "a")
+            assert [e for e, _ in out] != [legit]
+        assert legit.state == "stranger" and table.strangers_from("a") == 3
+        # among those that spoke, the one that spoke first goes first
+        s1, s2 = [e for e in table._by_host["a"].quiet]
+        table.spoke(s2)
+        table.spoke(s1)
+        _, out = _admit(table, "a")
+        assert out == [(legit, PER_HOST)]
+        _, out = _admit(table, "a")
+        assert out and out[0][0] not in (s1, s2)  # the newcomer before, silent
+
+
 def test_a_newcomer_at_max_handshaking_closes_the_oldest_of_all(table: AdmissionTable) -> None:
     with config.set(max_handshaking_per_host=10, max_handshaking=3):
         first = [_admit(table, h)[0] for h in ("a", "b", "c")]
@@ -96,23 +116,27 @@ def test_an_evicted_stranger_cannot_be_established_and_leaving_twice_does_nothin
         assert table.established == 0
 
 
-def test_relieve_evicts_the_oldest_strangers_of_every_table() -> None:
-    t1, t2 = AdmissionTable(), AdmissionTable()
+def test_relieve_evicts_the_strangers_that_go_first_of_every_table_of_the_loop() -> None:
+    loop, other_loop = object(), object()
+    t1, t2, t3 = AdmissionTable(loop), AdmissionTable(loop), AdmissionTable(other_loop)
     evicted: list[Stranger] = []
     try:
         entries = []
-        for table in (t1, t2, t1, t2):
+        for table in (t3, t1, t2, t1, t2, t1):
             entry, _ = _admit(table, "a")
             entry.evict = lambda e=entry: evicted.append(e)
             entries.append(entry)
-        assert t1.establish(entries[0])  # established: never evicted
-        assert admission.relieve(2) == 2
-        assert evicted == [entries[1], entries[2]]
-        assert t1.strangers == 0 and t2.strangers == 1
-        t1.validate()
-        t2.validate()
+        assert t1.establish(entries[1])  # established: never evicted
+        t2.spoke(entries[2])  # spoke: after those that have not
+        assert admission.relieve(2, loop) == 2
+        assert evicted == [entries[3], entries[4]]
+        assert admission.relieve(5, loop) == 2  # all there are on that loop
+        assert evicted[2:] == [entries[5], entries[2]]
+        assert t1.strangers == t2.strangers == 0 and t3.strangers == 1  # another loop's: left alone
+        for t in (t1, t2, t3):
+            t.validate()
     finally:
-        for t in (t1, t2):
+        for t in (t1, t2, t3):
             for e in list(t._strangers):
                 t.leave(e)
 
@@ -128,7 +152,7 @@ def test_bad_limits_are_clear_errors(name: str, value: object) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "establish", "leave"]), st.integers(0, 3),
+@given(st.lists(st.tuples(st.sampled_from(["admit", "spoke", "establish", "leave"]), st.integers(0, 3),
                           st.integers(0, 50)), max_size=60),
        st.integers(1, 4), st.integers(1, 6), st.integers(1, 8))
 def test_the_limits_hold_after_any_sequence(ops: list[tuple[str, int, int]], per_host: int, most: int,
@@ -142,15 +166,21 @@ def test_the_limits_hold_after_any_sequence(ops: list[tuple[str, int, int]], per
                     before = list(table._strangers)
                     entry, out = table.admit(f"h{host}")
                     gone = [e for e, _ in out]
-                    # only strangers go, the oldest of their group first
+                    # only strangers go; one that spoke only when none that did not is left
+                    # of its scope (its host's, for the per-host limit; all, else)
                     assert all(e in before for e in gone)
+                    kept = [e for e in before if e not in gone]
+                    for e, why in out:
+                        if e.spoke:
+                            scope = [k for k in kept if why != PER_HOST or k.host == e.host]
+                            assert all(k.spoke for k in scope), (e, why, scope)
                     if entry is None:
                         assert table.established >= cap and not before
                     else:
                         entries.append(entry)
                 elif entries:
                     entry = entries[pick % len(entries)]
-                    (table.establish if op == "establish" else table.leave)(entry)
+                    {"spoke": table.spoke, "establish": table.establish, "leave": table.leave}[op](entry)
                 table.validate()
                 assert table.strangers <= most
                 assert all(table.strangers_from(f"h{h}") <= per_host for h in range(4))
