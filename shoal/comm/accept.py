@@ -8,10 +8,11 @@ after a TLS handshake that the listener counts as part of the stranger's time
 
 - it runs the TLS handshake before any protocol of ours sees the connection: peers that
   never finish it were not counted, and used every descriptor;
-- it accepts up to ``backlog`` connections per wake-up, so a flood from one address could
-  push a legitimate stranger of that address out (oldest first) before the loop gave its
-  handshake a turn; a batch of 16 lets a handshake, whose stranger phase takes a few
-  turns of the loop, finish well inside ``max-handshaking-per-host`` newcomers;
+- it accepts up to ``backlog`` connections per wake-up: a flood from one address then
+  brings that many newcomers, each making room for itself, between two turns of a
+  legitimate stranger's handshake; 16 at a time, a stranger gets its turns of the loop
+  (to send its first message, which keeps it over the silent ones) well within
+  ``max-handshaking-per-host`` newcomers;
 - when ``accept`` fails for want of descriptors, asyncio stops accepting for a second
   (and uvloop accepts the waiting connections only to close them, saying nothing).
 

@@ -32,9 +32,10 @@ tell two processes of one address apart.
 
 Descriptors are the process's, not a listener's: :func:`relieve` evicts strangers of
 every table of this process on the same event loop (in the same order, by sequence
-numbers shared by all tables; another loop's connections are its own to close), when accepting fails for want of descriptors, when few are left
-(:func:`descriptor_relief`: fewer than ``descriptor-reserve`` of the limit), and when an
-outgoing connection cannot get one. :func:`raise_descriptor_limit` lifts the process's
+numbers shared by all tables; another loop's connections are its own to close), when
+accepting fails for want of descriptors, when few are left (:func:`descriptor_relief`:
+fewer than ``descriptor-reserve`` of the limit), and when an outgoing connection cannot
+get one. :func:`raise_descriptor_limit` lifts the process's
 soft ``RLIMIT_NOFILE`` to its hard limit when a listener starts.
 
 The table does no IO: it names entries; the listener closes their connections, through
