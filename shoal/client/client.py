@@ -160,7 +160,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         self.scheduler_address = address
         if self.security is None and self.cluster is not None:
             self.security = getattr(self.cluster, "security", None)
-        comm = await connect(address, timeout=self.timeout, deserialize=False, security=self.security)
+        comm = await connect(address, timeout=self.timeout, deserialize=False, security=self.security,
+                             expect="scheduler")
         if self.security is None:
             self.security = comm.security  # what was found for the scheduler's address
         await comm.write({"op": "register-client", "client": self.id})

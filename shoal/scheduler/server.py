@@ -162,6 +162,7 @@ class Scheduler:
             name=name,
             security=self.security,
             schemas=SCHEDULER_REQUESTS,
+            role="scheduler",
         )
         self.worker_streams: dict[str, BatchedSend] = {}
         self.worker_comms: dict[str, Comm] = {}
