@@ -123,6 +123,7 @@
     if (!response.ok) {
       const error = new Error((body && body.error) || response.status + " " + response.statusText);
       error.status = response.status;
+      if (response.status === 401) setConnection("logged out: open the dashboard's link again", "lost");
       throw error;
     }
     return body;
