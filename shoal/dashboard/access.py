@@ -25,6 +25,8 @@ nothing of the cluster leaks through it. ``/health`` answers everybody.
 Without login (``dashboard-open``, loopback only) a request is served *anonymously*:
 the pages, the workers and the counts by key prefix, but no task key and no error
 (the task-stream records come without keys; ``task`` and ``search`` need a login).
+``/metrics`` is served without login only with ``metrics-public`` (an open dashboard
+too): it shows counts, never a key or an error, either way.
 A cluster without a secret (``--no-auth``) has nothing to log in with: every viewer
 sees everything, and it is served on loopback only (any local user could run code
 in that cluster anyway).
@@ -151,9 +153,9 @@ class Access:
             return None, False
         if presented or self.token is None:
             return FULL, presented
-        if self.open or (self.metrics_public and request.path == "/metrics"):
-            return ANONYMOUS, None
-        return None, None
+        if request.path == "/metrics":  # (open by its own choice only, even on an open dashboard)
+            return (ANONYMOUS, None) if self.metrics_public else (None, None)
+        return (ANONYMOUS, None) if self.open else (None, None)
 
     def refusal(self, request: web.BaseRequest, presented: bool | None, page: bool) -> web.Response:
         """The answer to a request refused: 401 (no login) or 403 (a wrong token), a
