@@ -293,7 +293,8 @@ class Dashboard:
         if self.metrics_public and secret is not None:
             logger.info("dashboard: /metrics is served without login (metrics-public)")
         if not is_loopback(host):
-            logger.info("dashboard listens on %s: reachable from other hosts (login required)", host or "all interfaces")
+            logger.info("dashboard listens on %s: reachable from other hosts (login required)",
+                        host or "all interfaces")
         logger.info("dashboard at %s%s", self.link,
                     "" if secret is None else " (log in with the link 'shoal scheduler' prints, or "
                     "client.dashboard_link)")

@@ -190,7 +190,8 @@
   // a record's key, or what stands for it where the server hides keys (a viewer who
   // has not logged in to an open dashboard gets records whose key is null)
   function keyText(r) {
-    return r.key === null || r.key === undefined ? "a task of " + r.prefix + " (log in to see its key)" : r.key;
+    if (r.key !== null && r.key !== undefined) return r.key;
+    return (r.prefix ? "a task of " + r.prefix : "an input") + " (log in to see its key)";
   }
 
   function enableStreamClicks() {
