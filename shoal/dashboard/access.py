@@ -18,7 +18,7 @@ it does not give the secret away. A request presents it in one of three ways:
 - ``Authorization: Bearer TOKEN``, for scripts and Prometheus.
 
 Every comparison is in constant time. A token that is not the cluster's is refused
-(403) wherever it is presented; a request with none gets a 401 (a short page saying
+(403) wherever it is presented, unless the request also presents a right one; a request with none gets a 401 (a short page saying
 how to log in, or ``{"error": ...}`` for the API), the same whatever was asked, so
 nothing of the cluster leaks through it. ``/health`` answers everybody.
 
@@ -128,22 +128,24 @@ class Access:
 
     def presented(self, request: web.BaseRequest) -> bool | None:
         """True when ``request`` presents this dashboard's token (``?token=``, a bearer)
-        or its cookie; False when it presents a token that is not it; None when it
+        or its cookie; False when it presents tokens and none is it; None when it
         presents none (a cookie that is not this dashboard's counts as none: a login of
-        an earlier cluster). Always None without a secret."""
-        if self.token is None:
+        an earlier cluster). Always None without a secret. (One right credential is
+        enough: a proxy in front may add a bearer of its own.)"""
+        if self.token is None or self._cookie is None:
             return None
         given = list(request.query.getall("token", []))
         for header in request.headers.getall("Authorization", []):
             scheme, _, value = header.strip().partition(" ")
-            if scheme.lower() == "bearer":  # (others may be a proxy's own)
+            if scheme.lower() == "bearer":  # (another scheme is a proxy's own)
                 given.append(value.strip())
-        if given:
-            return all(_same(g, self.token) for g in given)
         cookie = request.cookies.get(self.cookie_name)
-        if cookie is not None and self._cookie is not None and _same(cookie, self._cookie):
+        right = [_same(g, self.token) for g in given]
+        if cookie is not None:
+            right.append(_same(cookie, self._cookie))
+        if any(right):
             return True
-        return None
+        return False if given else None
 
     def viewer(self, request: web.BaseRequest) -> tuple[str | None, bool | None]:
         """``(view, presented)``: what ``request`` may see (FULL, ANONYMOUS, or None:
@@ -157,7 +159,7 @@ class Access:
             return (ANONYMOUS, None) if self.metrics_public else (None, None)
         return (ANONYMOUS, None) if self.open else (None, None)
 
-    def refusal(self, request: web.BaseRequest, presented: bool | None, page: bool) -> web.Response:
+    def refusal(self, presented: bool | None, page: bool) -> web.Response:
         """The answer to a request refused: 401 (no login) or 403 (a wrong token), a
         login page for a ``page`` and ``{"error": ...}`` for the rest. It says nothing
         of the cluster."""
@@ -187,8 +189,8 @@ class Access:
         assert self._cookie is not None
         query = [(k, v) for k, v in request.query.items() if k != "token"]
         target = page + ("?" + urllib.parse.urlencode(query) if query else "")
-        # (urlencode leaves nothing that needs escaping in a script but quotes; the
-        # attribute gets its ampersands escaped)
+        # (urlencode leaves letters, digits and "%+=&-._~" only: nothing a script's
+        # string needs escaped, and in the attribute only the ampersands)
         body = _ONWARD_PAGE.format(attr=target.replace("&", "&amp;"), script='"' + target + '"')
         response = web.Response(text=body, content_type="text/html", headers=dict(_NO_STORE))
         response.set_cookie(self.cookie_name, self._cookie, path="/", httponly=True, samesite="Strict")

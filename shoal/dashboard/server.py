@@ -328,7 +328,7 @@ class Dashboard:
                 return await handler(request)
             page = page_name(request.path, PAGES)
             if view is None:
-                return self.access.refusal(request, presented, page is not None)
+                return self.access.refusal(presented, page is not None)
             if view != FULL and request.path in LOGGED_IN_ONLY:
                 return self.access.anonymous_refusal()
             if presented and page is not None and "token" in request.query and request.method == "GET":
