@@ -379,9 +379,10 @@ def start_shoal(procs: list[Any], *args: str, env: dict[str, str] | None = None)
     return p
 
 
-def start_scheduler(procs: list[Any], *args: str) -> tuple[subprocess.Popen, str]:
-    """A ``shoal scheduler`` on a free port of 127.0.0.1 and its address, once it listens."""
-    p = start_shoal(procs, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), *args)
+def start_scheduler(procs: list[Any], *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``shoal scheduler`` on a free port of 127.0.0.1 and its address, once it
+    listens; ``env`` is added to this environment."""
+    p = start_shoal(procs, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), *args, env=env)
     line = p.stdout.readline()
     assert line.startswith("shoal scheduler at tcp://"), (line, p.poll())
     return p, line.split()[-1]

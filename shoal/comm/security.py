@@ -44,12 +44,14 @@ __all__ = [
     "auth_file_for",
     "write_auth_file",
     "read_secret",
+    "dashboard_token",
 ]
 
 logger = logging.getLogger("shoal.comm.security")
 
 NONCE_BYTES = 32
 _PROOF_LABEL = b"shoal-auth-1"
+_DASHBOARD_LABEL = b"shoal-dashboard-1"
 
 
 class Security:
@@ -211,6 +213,13 @@ def check_proof(secret: bytes, role: bytes, nonce_connector: bytes, nonce_accept
     if not isinstance(got, bytes):
         return False
     return hmac.compare_digest(proof(secret, role, nonce_connector, nonce_acceptor, binding), got)
+
+
+def dashboard_token(secret: bytes) -> str:
+    """The token that logs a browser or a script into the dashboard of the cluster
+    whose secret is ``secret``: HMAC-SHA256 of a fixed label, in hex. Whoever holds the
+    secret can make it; it does not give the secret away."""
+    return hmac.new(secret, _DASHBOARD_LABEL, hashlib.sha256).hexdigest()
 
 
 def warn_if_exposed(listen_address: str, security: Security | None) -> bool:
