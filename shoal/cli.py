@@ -90,16 +90,28 @@ def _security_from(args: argparse.Namespace, address: str | None) -> Any:
 
 def _scheduler(args: argparse.Namespace) -> int:
     signals = _Signals()
+    from . import config
     from .comm import security, shm
     from .scheduler.server import Scheduler
 
     sec = _security_from(args, None)
     scheme = "tls" if sec.tls else "tcp"
+    dashboard = None if args.no_dashboard else args.dashboard_address
+    if dashboard is not None and dashboard.startswith(":"):
+        dashboard = _hostport(args.host, 0).rpartition(":")[0] + dashboard  # the scheduler's host
+    # who may read the dashboard without login (read by the dashboard when it starts)
+    settings = {name: 1 for name in ("dashboard_open", "metrics_public") if getattr(args, name)}
+    if dashboard is not None:
+        from .dashboard import check_exposure, parse_dashboard_address
+
+        try:  # (refused before anything starts)
+            check_exposure(parse_dashboard_address(dashboard)[0], sec.auth,
+                           bool(args.dashboard_open or config.get("dashboard-open")))
+        except ValueError as exc:
+            print(f"shoal scheduler: {exc}", file=sys.stderr, flush=True)
+            return 2
 
     async def run() -> None:
-        dashboard = None if args.no_dashboard else args.dashboard_address
-        if dashboard is not None and dashboard.startswith(":"):
-            dashboard = _hostport(args.host, 0).rpartition(":")[0] + dashboard  # the scheduler's host
         scheduler = Scheduler(security=sec, dashboard_address=dashboard)
         auth_address = ""
         try:
@@ -118,9 +130,10 @@ def _scheduler(args: argparse.Namespace) -> int:
             print(f"shoal scheduler at {scheduler.address}", flush=True)
             if auth_address:
                 print(f"shoal scheduler auth file {written}", flush=True)
-            # last: scripts that read the first lines keep working
-            if scheduler.dashboard_link:
-                print(f"shoal dashboard at {scheduler.dashboard_link}", flush=True)
+            # last: scripts that read the first lines keep working. The link carries the
+            # token that logs a browser in (derived from the secret: see docs/dashboard.md)
+            if scheduler.dashboard is not None:
+                print(f"shoal dashboard at {scheduler.dashboard.login_link}", flush=True)
             await signals.wait()
         finally:
             await _closing(scheduler.close(), "the scheduler")
@@ -128,7 +141,8 @@ def _scheduler(args: argparse.Namespace) -> int:
                 security.remove_auth_file(auth_address, sec)
 
     try:
-        signals.run(run)
+        with config.set(**settings):
+            signals.run(run)
     finally:
         # what it kept in shared memory (clients' task arguments, its pool) goes now,
         # not at interpreter exit
@@ -504,8 +518,19 @@ def parser() -> argparse.ArgumentParser:
                        help="port to listen on (0: a free one). Not dask's 8786: both schedulers run side by side")
     sched.add_argument("--dashboard-address", default=":8790", metavar="[HOST]:PORT", type=_dashboard_argument,
                        help="where to serve the dashboard (no HOST: the scheduler's --host; a port that is "
-                            "taken: a free one; the link is printed on stdout). Not dask's 8787")
+                            "taken: a free one). Not dask's 8787. It needs a login: the link printed on stdout "
+                            "carries a token derived from the cluster's secret, which sets a cookie; "
+                            "client.dashboard_link gives the same link")
     sched.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
+    sched.add_argument("--dashboard-open", action="store_true",
+                       help="serve the dashboard without login, on a loopback address only (warns): users of "
+                            "this host see the workers and the counts by key prefix, but no task key or error "
+                            "unless they log in with the token (setting dashboard-open). Without a secret "
+                            "(--no-auth) the dashboard is always served so, on loopback only, showing everything")
+    sched.add_argument("--metrics-public", action="store_true",
+                       help="serve /metrics without login (counts by state, key prefix and worker; never a "
+                            "key or an error; setting metrics-public). Otherwise a scraper sends "
+                            "'Authorization: Bearer TOKEN'")
     _security_arguments(sched)
     sched.set_defaults(func=_scheduler)
     worker = command("worker", "run a worker (or --nworkers of them) that joins the scheduler at ADDRESS; "

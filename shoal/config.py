@@ -138,6 +138,19 @@ _DEFAULTS: dict[str, Any] = {
     "nanny-restart-window": 60.0,
     # the dashboard sends each open page an update this often, in seconds
     "dashboard-interval": 1.0,
+    # 1: the dashboard is served without login (on a loopback address only; warns):
+    # anyone on this host sees the workers and the counts by key prefix, never a task's
+    # key or error unless they log in (docs/dashboard.md)
+    "dashboard-open": 0,
+    # 1: /metrics is served without login (it shows counts, never keys or errors)
+    "metrics-public": 0,
+    # the dashboard's connections at most, in all and from one peer host; past either,
+    # the oldest idle connection that has not logged in is dropped for a new one
+    "dashboard-max-connections": 256,
+    "dashboard-max-connections-per-host": 128,
+    # seconds a dashboard connection has to send a whole request head, from when it
+    # opened or its previous answer was made (then it is closed: slow or silent clients)
+    "dashboard-header-timeout": 10.0,
     # task-stream records the scheduler keeps (the oldest go first): what the dashboard,
     # get_task_stream and performance_report can show
     "dashboard-task-stream-size": 100_000,

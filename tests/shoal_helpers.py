@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from shoal.comm import security
+from shoal.comm import security, session
 from shoal.protocol import PROTOCOL_VERSION
 
 try:
@@ -201,9 +201,86 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_frames(sock: socket.socket) -> list[bytes]:
-    (n,) = struct.unpack("<Q", recv_exactly(sock, 8))
-    lengths = struct.unpack(f"<{n}Q", recv_exactly(sock, 8 * n))
-    return [recv_exactly(sock, length) for length in lengths]
+    """The next message's frames; from a :class:`RawPeer` with a session, once its
+    tag is checked."""
+    head = recv_exactly(sock, 8)
+    (n,) = struct.unpack("<Q", head)
+    lengths = recv_exactly(sock, 8 * n)
+    frames = [recv_exactly(sock, length) for length in struct.unpack(f"<{n}Q", lengths)]
+    keys = getattr(sock, "session", None)
+    if keys is not None:
+        tag = recv_exactly(sock, session.TAG_BYTES)
+        assert tag == _tag_of(keys.receive, head + lengths, frames), "a message whose session tag does not match"
+    return frames
+
+
+def _tag_of(mac: session.MessageMac, header: bytes, frames: list[bytes]) -> bytes:
+    large = {i + 1: session.digest_now(f) for i, f in enumerate(frames) if len(f) >= session.LARGE}
+    return mac.tag_buffers([header, *frames], large)
+
+
+class RawPeer(socket.socket):
+    """A blocking socket for speaking shoal's wire by hand. After
+    :func:`complete_handshake` with a secret (``session`` set), what :meth:`sendall`
+    sends gets the session's tag after each whole message it holds, whatever pieces
+    the message is sent in; bytes that are no message (a count of 0, or absurd) go
+    out as they are, and nothing after them is tagged."""
+
+    session: session.SessionKeys | None = None
+    _pending = b""
+    _untagged = False
+
+    def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
+        keys = self.session
+        if keys is None or self._untagged:
+            return super().sendall(data, flags)
+        out = bytearray(data)
+        pending = self._pending + bytes(data)
+        while True:
+            end = _message_end(pending)
+            if end is None:
+                break
+            if end < 0:
+                self._untagged, pending = True, b""
+                break
+            n = struct.unpack_from("<Q", pending)[0]
+            lengths = struct.unpack_from(f"<{n}Q", pending, 8)
+            frames, pos = [], 8 + 8 * n
+            for size in lengths:
+                frames.append(pending[pos : pos + size])
+                pos += size
+            tag = _tag_of(keys.send, pending[: 8 + 8 * n], frames)
+            pending = pending[end:]
+            at = len(out) - len(pending)
+            out[at:at] = tag
+        self._pending = pending
+        super().sendall(bytes(out), flags)
+
+
+def _message_end(data: bytes) -> int | None:
+    """Where the message at the start of ``data`` ends; None: not all there yet; -1:
+    no message (a count of 0 or over 10,000)."""
+    if len(data) < 8:
+        return None
+    (n,) = struct.unpack_from("<Q", data)
+    if not 0 < n <= 10_000:
+        return -1
+    if len(data) < 8 + 8 * n:
+        return None
+    end = 8 + 8 * n + sum(struct.unpack_from(f"<{n}Q", data, 8))
+    return end if len(data) >= end else None
+
+
+def raw_socket(host: str, port: int, timeout: float = 10.0) -> RawPeer:
+    """A :class:`RawPeer` connected to ``host:port``."""
+    sock = RawPeer(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def one_frame_messages(data: bytes) -> list[Any]:
@@ -231,25 +308,39 @@ def recv_until_closed(sock: socket.socket) -> bytes:
     return b"".join(data)
 
 
-def complete_handshake(sock: socket.socket, secret: bytes | None, **step2: Any) -> dict:
+def complete_handshake(sock: RawPeer, secret: bytes | None, **step2: Any) -> dict:
     """The handshake of a connecting end, by hand: step 1, the proof of ``secret``
     (None: no authentication), and the shared-memory answers (we offer no probe and say
     we cannot map the peer's); ``step2``: more fields of step 2 (``checksums=``).
-    Returns the peer's step-2 message."""
+    With a secret, the socket's session is set: later messages carry tags. Returns
+    the peer's step-2 message."""
+    assert isinstance(sock, RawPeer), "complete_handshake needs a RawPeer (raw_socket()): it keeps the session"
     nonce = os.urandom(32)
-    sock.sendall(handshake_bytes(nonce=nonce, auth=secret is not None))
+    mine = [handshake_bytes(nonce=nonce, auth=secret is not None)]
+    sock.sendall(mine[0])
     (hello,) = recv_frames(sock)
     peer = msgpack.unpackb(hello)
     assert peer["op"] == "handshake", peer
     proof = None if secret is None else security.proof(secret, b"connector", nonce, peer["nonce"])
-    sock.sendall(message_bytes({"op": "handshake-auth", "proof": proof, "pid": 1, "host": "elsewhere", **step2}))
+    mine.append(message_bytes({"op": "handshake-auth", "proof": proof, "pid": 1, "host": "elsewhere", **step2}))
+    sock.sendall(mine[1])
     (info,) = recv_frames(sock)
+    if secret is not None:
+        start_session(sock, secret, [mine[0], mine[1]], [hello, info])
     info = msgpack.unpackb(info)
     assert info["op"] == "handshake-auth", info
     sock.sendall(message_bytes({"op": "handshake-shm", "can_map": False}))
     (answer,) = recv_frames(sock)
     assert msgpack.unpackb(answer)["op"] == "handshake-shm"
     return info
+
+
+def start_session(sock: RawPeer, secret: bytes, sent: list[bytes], got: list[bytes]) -> None:
+    """Give ``sock`` (the connecting end) the session of a handshake whose steps 1 and 2
+    it ``sent`` (as messages in the framing, or their frame 0) and ``got`` (frame 0)."""
+    sent = [m[16:] if m[:16] == struct.pack("<QQ", 1, len(m) - 16) else m for m in sent]
+    first = (sent[0], got[0], sent[1], got[1])
+    sock.session = session.session_keys(secret, b"".join(len(m).to_bytes(8, "little") + m for m in first), True)
 
 
 def secret_of(address: str) -> bytes | None:
@@ -262,7 +353,7 @@ def raw_connect(address: str, handshake: bool = True, timeout: float = 10.0) -> 
     """A blocking socket to a ``tcp://host:port`` shoal endpoint, after (by default) a
     valid handshake in both directions."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock = raw_socket(host, int(port), timeout)
     try:
         if handshake:
             complete_handshake(sock, secret_of(address))
@@ -288,9 +379,10 @@ def start_shoal(procs: list[Any], *args: str, env: dict[str, str] | None = None)
     return p
 
 
-def start_scheduler(procs: list[Any], *args: str) -> tuple[subprocess.Popen, str]:
-    """A ``shoal scheduler`` on a free port of 127.0.0.1 and its address, once it listens."""
-    p = start_shoal(procs, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), *args)
+def start_scheduler(procs: list[Any], *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``shoal scheduler`` on a free port of 127.0.0.1 and its address, once it
+    listens; ``env`` is added to this environment."""
+    p = start_shoal(procs, "scheduler", "--host", "127.0.0.1", "--port", str(free_port()), *args, env=env)
     line = p.stdout.readline()
     assert line.startswith("shoal scheduler at tcp://"), (line, p.poll())
     return p, line.split()[-1]

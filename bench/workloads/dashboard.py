@@ -73,7 +73,8 @@ def _dashboard(n: int, latency_n: int, rounds: int) -> dict[str, Any]:
                         raise RuntimeError("the cluster has no dashboard (is shoal[dashboard] installed?)")
                     page = browser.new_page()
                     try:
-                        page.goto(link)
+                        page.goto(link)  # (its token logs the page in, which then goes on to /status)
+                        page.wait_for_url("**/status", timeout=60_000)
                         # open and settled: its charts made and its first updates drawn
                         page.wait_for_function("() => window.shoalDashboard && window.shoalDashboard.updates() >= 2",
                                                timeout=60_000)

@@ -241,7 +241,10 @@ tcp_bandwidth = Workload(
     "plain_warm: recv_into a preallocated, touched, reused buffer (upper bound). Each "
     "child runs `iters` interleaved rounds (order rotated) and reports medians; ratios "
     "are taken per round. The receiver first touches and frees `prefault_mb` MB (a VM's "
-    "first touch of memory is slow on the host side).",
+    "first touch of memory is slow on the host side). shoal carries the session's tags "
+    "(the cluster's secret: every message is authenticated, a large frame hashed in pieces "
+    "off the loop); shoal_untagged is the same to a listener without a secret, and "
+    "without checksums: what the tags cost is shoal_tags_cost.",
     metrics={
         "shoal": "GB/s",
         "plain_fresh": "GB/s",
@@ -249,6 +252,8 @@ tcp_bandwidth = Workload(
         "shoal_vs_plain_fresh": "x",
         "shoal_vs_plain_warm": "x",
         "shoal_same_host": "GB/s",
+        "shoal_untagged": "GB/s",
+        "shoal_tags_cost": "x",
     },
     params={"mb": 512, "iters": 3, "loop": "auto", "prefault_mb": 1536, "cpus": "", "same_host": True},
     quick={"mb": 8, "iters": 1, "prefault_mb": 0},
@@ -289,12 +294,17 @@ async def _shoal_sender(conn: Any, arr: Any, plain_address: Any) -> None:
             value = arr[: 1 << 18] if request.get("op") == "warm-up" else arr
             await comm.write({"x": to_serialize(value)})
 
+    from shoal.comm.security import Security
+
     listener = await listen("tcp://127.0.0.1:0", handler)
-    conn.send({"shoal": listener.contact_address, "plain": plain_address})
+    # no secret: no session tags (and the receiver offers no checksums)
+    untagged = await listen("tcp://127.0.0.1:0", handler, security=Security.disabled())
+    conn.send({"shoal": listener.contact_address, "untagged": untagged.contact_address, "plain": plain_address})
     try:
         await async_wait_for_stop(conn)
     finally:
         listener.stop()
+        untagged.stop()
 
 
 def _bandwidth_sender_process(conn: Any, nbytes: int, loop: str) -> None:
@@ -345,7 +355,7 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
     nbytes = mb << 20
     gb = nbytes / 1e9
     out: dict[str, Any] = {}
-    variants = ["shoal", "plain_fresh", "plain_warm"] + (["shoal_same_host"] if same_host else [])
+    variants = ["shoal", "shoal_untagged", "plain_fresh", "plain_warm"] + (["shoal_same_host"] if same_host else [])
     results: dict[str, list[float]] = {name: [] for name in variants}
     if prefault_mb:
         # In a VM the first touch of guest memory also faults on the host, several
@@ -379,20 +389,27 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
             _check(buf, nbytes)
             return dt
 
-        async def connect_tcp_only() -> Any:
+        async def connect_tcp_only(address: str, **kwargs: Any) -> Any:
             # refuse the shared-memory data plane at the handshake: bytes cross the socket
             old = os.environ.get("SHOAL_SHM")
             os.environ["SHOAL_SHM"] = "0"
             try:
-                return await connect(helper.value["shoal"])
+                return await connect(address, **kwargs)
             finally:
                 if old is None:
                     del os.environ["SHOAL_SHM"]
                 else:
                     os.environ["SHOAL_SHM"] = old
 
+        async def connect_untagged() -> Any:
+            from shoal import config
+            from shoal.comm.security import Security
+
+            with config.set(wire_checksums=0):
+                return await connect_tcp_only(helper.value["untagged"], security=Security.disabled())
+
         async def main() -> None:
-            comms = {"shoal": await connect_tcp_only()}
+            comms = {"shoal": await connect_tcp_only(helper.value["shoal"]), "shoal_untagged": await connect_untagged()}
             if same_host:
                 comms["shoal_same_host"] = await connect(helper.value["shoal"])
                 out["same_host_destination"] = comms["shoal_same_host"].destination
@@ -422,6 +439,7 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
     out.update({k: median(v) for k, v in results.items()})
     out["shoal_vs_plain_fresh"] = median([s / p for s, p in zip(results["shoal"], results["plain_fresh"])])
     out["shoal_vs_plain_warm"] = median([s / p for s, p in zip(results["shoal"], results["plain_warm"])])
+    out["shoal_tags_cost"] = median([u / s for s, u in zip(results["shoal"], results["shoal_untagged"])])
     out["loop"] = loop_name(loop)
     out["cpus"] = cpus or "unpinned"
     out["rounds"] = {k: [round(x, 3) for x in v] for k, v in results.items()}

@@ -26,7 +26,8 @@ from typing import Any
 from .. import config
 from .._loop import LoopThread
 from ..comm import Comm, connect, shm, shm_family, shm_handover
-from ..comm.security import Security
+from ..comm.security import Security, dashboard_token
+from ..comm.security import for_address as security_for
 from ..errors import CommBrokenError, CommError, CorruptedDataError, LostDataError, ProtocolError
 from ..protocol.messages import SCHEDULER_TO_CLIENT, decode
 from ..protocol import SAME_HOST, SAME_PROCESS, to_serialize
@@ -160,7 +161,8 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
         self.scheduler_address = address
         if self.security is None and self.cluster is not None:
             self.security = getattr(self.cluster, "security", None)
-        comm = await connect(address, timeout=self.timeout, deserialize=False, security=self.security)
+        comm = await connect(address, timeout=self.timeout, deserialize=False, security=self.security,
+                             expect="scheduler")
         if self.security is None:
             self.security = comm.security  # what was found for the scheduler's address
         await comm.write({"op": "register-client", "client": self.id})
@@ -291,9 +293,24 @@ class Client(Submitting, DaskCollections, PublishedDatasets, Plugins, WorkerPlug
 
     @property
     def dashboard_link(self) -> str | None:
-        """The URL of the cluster's dashboard (its status page), or None without one."""
+        """The URL of the cluster's dashboard (its status page) with the token that logs
+        its opener in (``?token=``, derived from this client's secret), or None without
+        a dashboard."""
         link = getattr(self.cluster, "dashboard_link", None) if self.cluster is not None else None
-        return link if isinstance(link, str) else self._dashboard_link
+        link = link if isinstance(link, str) else self._dashboard_link
+        if link is None or "token=" in link:
+            return link
+        secret = getattr(self.security, "secret", None)
+        if secret is None and self.scheduler_address:
+            # a client of a scheduler of this process (inproc://) proved nothing: the
+            # scheduler's own secret is known here
+            try:
+                secret = getattr(security_for(self.scheduler_address), "secret", None)
+            except (OSError, ValueError):
+                secret = None
+        if not isinstance(secret, bytes):
+            return link
+        return f"{link}{'&' if '?' in link else '?'}token={dashboard_token(secret)}"
 
     # -- sync/async plumbing
 

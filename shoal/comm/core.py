@@ -157,6 +157,8 @@ class Listener(abc.ABC):
 
     #: the address this listener's own secret is registered under (see :func:`listen`)
     registered: str = ""
+    #: what this listener tells connecting peers it is ("scheduler", "worker", ...)
+    role: str = ""
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -188,10 +190,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def connect(self, location: str, deserialize: bool, timeout: float,
-                      security: Security | None = None) -> Comm:
+                      security: Security | None = None, *, role: str = "client",
+                      expect: str | None = None) -> Comm:
         """Return a connected comm whose handshake is done, or raise
         :class:`~shoal.errors.CommConnectError` / :class:`~shoal.errors.HandshakeError`.
-        ``security``: the credentials to prove (None: none known)."""
+        ``security``: the credentials to prove (None: none known); ``role``: what this
+        end tells the peer it is; ``expect``: the role the peer must prove (None: any)."""
 
     @abc.abstractmethod
     def listener(self, location: str, handler: Handler, deserialize: bool,
@@ -252,9 +256,11 @@ def route_address(address: str) -> str:
 
 
 async def connect(address: str, timeout: float | None = None, deserialize: bool = True,
-                  security: Security | None = None) -> Comm:
+                  security: Security | None = None, *, role: str = "client", expect: str | None = None) -> Comm:
     """Connect to ``address`` and complete the handshake, proving ``security``'s
-    secret (default: what :func:`shoal.comm.security.for_address` finds).
+    secret (default: what :func:`shoal.comm.security.for_address` finds), as a
+    ``role`` (``"client"``, ``"worker"``, ...) to a peer that must prove to be
+    ``expect`` (``"scheduler"``, ...; None: any role).
 
     Retries refused connections until ``timeout`` (default: the ``connect-timeout``
     setting). Raises :class:`~shoal.errors.CommConnectError` when it gives up and
@@ -265,7 +271,7 @@ async def connect(address: str, timeout: float | None = None, deserialize: bool 
     backend = get_backend(scheme)
     timeout = config.get("connect-timeout") if timeout is None else timeout
     if security is not None or scheme == "inproc":
-        comm = await backend.connect(location, deserialize, timeout, security)
+        comm = await backend.connect(location, deserialize, timeout, security, role=role, expect=expect)
         comm.security = security
         return comm
     loop = asyncio.get_running_loop()
@@ -274,7 +280,8 @@ async def connect(address: str, timeout: float | None = None, deserialize: bool 
     while True:
         found = _security.for_address(address)  # looked for again at each try
         try:
-            comm = await backend.connect(location, deserialize, max(deadline - loop.time(), 0.001), found)
+            comm = await backend.connect(location, deserialize, max(deadline - loop.time(), 0.001), found,
+                                         role=role, expect=expect)
         except AuthenticationError:
             # a scheduler that is starting writes its auth file just after it listens:
             # look again until the deadline
@@ -288,7 +295,7 @@ async def connect(address: str, timeout: float | None = None, deserialize: bool 
 
 
 async def listen(address: str, handler: Handler, deserialize: bool = True,
-                 security: Security | None = None) -> Listener:
+                 security: Security | None = None, *, role: str = "") -> Listener:
     """Listen on ``address`` (``tcp://127.0.0.1:0`` and ``inproc://`` pick a free one)
     and run ``await handler(comm)`` for every connection, after its handshake.
 
@@ -298,6 +305,8 @@ async def listen(address: str, handler: Handler, deserialize: bool = True,
     address, so that this process's own connections find it. ``Security.disabled()``
     admits anyone.
 
+    ``role`` is what the listener tells connecting peers it is (``"scheduler"``, ...).
+
     Returns the started :class:`Listener`. Raises ``OSError`` if the address is taken.
     """
     scheme, location = parse_address(address)
@@ -305,6 +314,7 @@ async def listen(address: str, handler: Handler, deserialize: bool = True,
     if own:
         security = _security.from_environment() or Security(None, **_security.tls_from_environment())
     listener = get_backend(scheme).listener(location, handler, deserialize, security)
+    listener.role = role
     await listener.start()
     if own:
         assert security is not None

@@ -23,6 +23,13 @@ less over a real network; pieces capped to stay in cache hashed no faster). A me
 whose trailer does not match is not delivered: the reader gets a
 :class:`~shoal.errors.CorruptedDataError` for it instead, and the connection goes on
 (its framing is intact).
+
+Session tags (when the handshake set up a session, :attr:`FrameProtocol.mac`: plain tcp
+between ends with the secret, :mod:`.session`): every message is followed by its tag,
+and no checksum trailer. A large frame's chunks are hashed in a thread pool as they
+land; a message is handed to the reader only once its tag matches. One that does not
+(bytes changed on the way, or a message a stranger injected) closes the connection
+with a :class:`~shoal.errors.ProtocolError`: the stream can no longer be trusted.
 """
 
 from __future__ import annotations
@@ -42,18 +49,21 @@ import xxhash
 
 from .. import config
 from ..errors import CommBrokenError, CommClosedError, CorruptedDataError, ProtocolError
+from . import session
 
 if TYPE_CHECKING:
     from .tcp import TCPComm
 
 __all__ = ["FrameProtocol", "alloc_buffer", "STRANGER_MAX_BYTES", "HANDSHAKE_MESSAGES", "CHECKSUM_MIN",
-           "checksum_trailer"]
+           "checksum_trailer", "UNTAGGED_MESSAGES"]
 
 logger = logging.getLogger("shoal.comm.tcp")
 
 #: the largest message a peer may send before it is authenticated, and how many it sends
 STRANGER_MAX_BYTES = 4096
 HANDSHAKE_MESSAGES = 3
+#: the handshake messages sent before the session's tags start (the third is tagged)
+UNTAGGED_MESSAGES = 2
 
 _SCRATCH = 1 << 16
 _DIRECT = 1 << 16  # blocks at least this large are received into their own buffer
@@ -72,6 +82,16 @@ def checksum_trailer(frames: list[Any]) -> bytes:
     digests = [xxhash.xxh3_64_intdigest(f) for f in frames
                if (len(f) if type(f) is bytes else memoryview(f).nbytes) >= CHECKSUM_MIN]
     return struct.pack(f"<{len(digests)}Q", *digests) if digests else b""
+
+
+class _Tagged:
+    """Stands in the queue for a message whose large frames are still being hashed:
+    its tag is checked when the reader takes it (:meth:`FrameProtocol.next_frames`)."""
+
+    __slots__ = ("frames", "lengths", "chunks", "running", "tag")
+
+    def __init__(self, frames: list[Any], lengths: list[int], chunks: dict[int, list[Any]], running: Any, tag: bytes):
+        self.frames, self.lengths, self.chunks, self.running, self.tag = frames, lengths, chunks, running, tag
 
 
 class CorruptMessage:
@@ -135,6 +155,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.checksums = False
         self._hasher: Any = None
         self._digests: list[int] = []
+        #: the session's MAC of the peer's messages (set by the handshake), and the
+        #: chunks of the message's large frames being hashed: {frame index: futures}
+        self.mac: session.MessageMac | None = None
+        self._chunks: dict[int, list[Any]] = {}
+        self._chunked = -1  # bytes of the frame coming in whose hashing has started
         # a new connection's peer is a stranger: its handshake messages are one small
         # frame each, and nothing after them is parsed until the handshake lifts this
         # (set_limits())
@@ -148,11 +173,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._wait_started = 0.0
         # messages to parse before reading stops (0: no such limit), and whether it has
-        self._hold_after = HANDSHAKE_MESSAGES
+        self._hold_after = UNTAGGED_MESSAGES
         self._held = False
         self.messages: deque[Any] = deque()  # lists of frames (or CorruptMessage)
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
+        #: set once the connection is gone (closed by either end, or lost)
+        self.gone = asyncio.Event()
         self.paused = False
         #: makes the buffers of large out-of-band frames (see :meth:`land_frames`)
         self._land: Any = None
@@ -208,6 +235,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 if self._hasher is not None:  # the bytes just landed: in cache
                     self._hasher.update(self._direct[self._direct_pos : self._direct_pos + nbytes])
                 self._direct_pos += nbytes
+                if self._chunked >= 0 and self._direct_pos - self._chunked >= session.CHUNK:
+                    self._hash_chunks(self._direct_pos)
                 if self._direct_pos == len(self._direct):
                     block = self._direct_buf
                     self._direct = self._direct_buf = None
@@ -356,6 +385,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     logger.warning("connection from %s lost: %s", peer, err)
         if self.comm is not None:
             self.comm._on_lost()
+        self.gone.set()
         self._wake()
 
     # -- parsing
@@ -373,7 +403,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return 8 * self._count
         if len(self._frames) < self._count:
             return self._lengths[len(self._frames)]
-        return 8 * len(self._digests)  # the checksum trailer
+        return self._trailer_bytes()
+
+    def _trailer_bytes(self) -> int:
+        """The size of what follows a message's frames: its tag, or its checksums."""
+        return session.TAG_BYTES if self.mac is not None else 8 * len(self._digests)
 
     def _parse(self) -> None:
         while not self._held:
@@ -398,9 +432,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 view = memoryview(buf)
                 take = min(avail, need)
                 view[:take] = self._view[self._start : self._start + take]
-                if self.checksums and self._lengths is not None and len(self._frames) < self._count:
-                    self._hasher = xxhash.xxh3_64()
-                    self._hasher.update(view[:take])
+                if self._lengths is not None and len(self._frames) < self._count:
+                    if self.mac is not None:
+                        self._chunks[len(self._frames)] = []
+                        self._chunked = 0
+                    elif self.checksums:
+                        self._hasher = xxhash.xxh3_64()
+                        self._hasher.update(view[:take])
                 self._start += take
                 if self._start == self._end:
                     self._start = self._end = 0
@@ -408,6 +446,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     self._block_done(buf)
                     continue
                 self._direct, self._direct_buf, self._direct_pos = view, buf, take
+                if self._chunked >= 0 and take >= session.CHUNK:
+                    self._hash_chunks(take)
                 return
             if avail < need:
                 if self._start == self._end:
@@ -432,11 +472,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         complete, a large frame, an empty frame, invalid counts or lengths), which the
         step-by-step parser then handles (and reports)."""
         scratch, s, end = self._scratch, self._start, self._end
+        tag = session.TAG_BYTES if self.mac is not None else 0
         n = _U64.unpack_from(scratch, s)[0]
         if n == 1:
             size = _U64.unpack_from(scratch, s + 8)[0]
             stop = s + 16 + size
-            if stop > end or size == 0 or size > self._max_frame:
+            if stop + tag > end or size == 0 or size > self._max_frame:
                 return False
             frames: list[Any] = [scratch[s + 16 : stop]]
         else:
@@ -448,12 +489,19 @@ class FrameProtocol(asyncio.BufferedProtocol):
             lengths = struct.unpack_from(f"<{n}Q", scratch, s + 8)
             total = sum(lengths)
             stop = pos + total
-            if stop > end or max(lengths) > self._max_frame or total > self._max_message:
+            if stop + tag > end or max(lengths) > self._max_frame or total > self._max_message:
                 return False
             frames = []
             for size in lengths:
                 frames.append(scratch[pos : pos + size] if size else b"")
                 pos += size
+        if tag:
+            assert self.mac is not None
+            running = self.mac.start()
+            running.update(self._view[s:stop])
+            if not session.check(self.mac.finish(running), self._view[stop : stop + tag]):
+                raise self._forged(stop - s)
+            stop += tag
         if stop == end:
             self._start = self._end = 0
         else:
@@ -479,6 +527,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self._hasher is not None:
                 self._digests.append(self._hasher.intdigest())
                 self._hasher = None
+            chunks = self._chunks.get(len(self._frames))
+            if chunks is not None:  # the chunks not yet hashed, the last one too
+                chunks += session.chunk_digests(block, self._chunked)
+                self._chunked = -1
             self._frame_done(block)
         else:
             self._trailer_done(block)
@@ -518,13 +570,54 @@ class FrameProtocol(asyncio.BufferedProtocol):
         assert lengths is not None
         while len(self._frames) < self._count and lengths[len(self._frames)] == 0:
             self._frames.append(b"")
-        if len(self._frames) == self._count and not self._digests:
+        if len(self._frames) == self._count and not self._trailer_bytes():
             frames = self._frames
             self._frames, self._lengths, self._count = [], None, -1
             self._deliver(frames)
         # (else the checksum trailer comes next)
 
+    def _hash_chunks(self, upto: int) -> None:
+        """Start hashing the whole chunks of the frame coming in that have landed by
+        ``upto`` bytes."""
+        assert self._direct is not None
+        whole = upto - upto % session.CHUNK
+        if whole > self._chunked:
+            self._chunks[len(self._frames)] += session.chunk_digests(self._direct, self._chunked, whole)
+            self._chunked = whole
+
+    def _tag_done(self, data: Any) -> None:
+        frames, lengths, chunks = self._frames, self._lengths, self._chunks
+        assert lengths is not None and self.mac is not None
+        self._frames, self._lengths, self._count, self._chunks = [], None, -1, {}
+        running = self.mac.start()
+        running.update(struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths))
+        tagged = _Tagged(frames, lengths, chunks, running, bytes(data))
+        if chunks:
+            self._deliver(tagged)  # checked when taken, once its chunks are hashed
+        else:
+            self._deliver(self._check_tag(tagged))
+
+    def _check_tag(self, tagged: _Tagged) -> list[Any]:
+        """The frames of ``tagged``, once its tag matched (its chunks are hashed)."""
+        assert self.mac is not None
+        running = tagged.running
+        for i, frame in enumerate(tagged.frames):
+            chunks = tagged.chunks.get(i)
+            running.update(frame if chunks is None else session.frame_digest(chunks))
+        if not session.check(self.mac.finish(running), tagged.tag):
+            raise self._forged(sum(tagged.lengths))
+        return tagged.frames
+
+    def _forged(self, nbytes: int) -> ProtocolError:
+        peer = self.comm.peer_address if self.comm else "?"
+        return ProtocolError(
+            f"a message of {nbytes:,} bytes from {peer} does not match its session tag (changed on its way, "
+            "or sent by someone without the session's key); closing the connection"
+        )
+
     def _trailer_done(self, data: Any) -> None:
+        if self.mac is not None:
+            return self._tag_done(data)
         digests, frames, lengths = self._digests, self._frames, self._lengths
         assert lengths is not None
         self._frames, self._lengths, self._count, self._digests = [], None, -1, []
@@ -590,6 +683,19 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self.paused and len(self.messages) < _MAX_QUEUED // 4 and self.transport:
             self.paused = False
             self.transport.resume_reading()
+        if type(frames) is _Tagged:
+            return await self._checked(frames)
         if type(frames) is CorruptMessage:
             raise CorruptedDataError(frames.text)
         return frames
+
+    async def _checked(self, tagged: _Tagged) -> list[Any]:
+        for futures in tagged.chunks.values():
+            for fut in futures:
+                if not fut.done():
+                    await asyncio.wrap_future(fut)
+        try:
+            return self._check_tag(tagged)
+        except ProtocolError as exc:
+            self._fail(exc)
+            raise

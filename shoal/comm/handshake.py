@@ -5,10 +5,17 @@ Three steps; at each one both ends write before they read, so neither waits for 
 other to start (docs/protocol.md §3):
 
 1. ``handshake``: protocol version, a fresh nonce, whether this end authenticates.
-2. ``handshake-auth``: the proof (an HMAC over both nonces and the sender's role, see
-   :mod:`.security`), the sender's pid and host, its shared-memory probe, and whether
-   it checksums large frames (both ends must: :mod:`.framing`).
+2. ``handshake-auth``: the proof (an HMAC over both nonces and the sender's side, and
+   over tls the channel binding, see :mod:`.security`), the sender's role (scheduler,
+   worker, nanny, client), pid and host, its shared-memory probe, and whether it
+   checksums large frames (both ends must: :mod:`.framing`).
 3. ``handshake-shm``: whether this end could open the peer's probe.
+
+With the secret over plain tcp, both ends then derive the session's keys from the
+secret and the bytes of steps 1 and 2 (:mod:`.session`), and every message from step 3
+on carries a tag: a stranger who relayed the first steps can neither speak nor change
+them unnoticed. An end that meant to reach a peer of some role (a worker dialing its
+scheduler) refuses a peer that proves another.
 
 Until step 2's proof is checked the peer is a stranger: each of its messages must be one
 frame of at most :data:`MAX_BYTES`, plain msgpack (no extension types, no out-of-band
@@ -29,7 +36,7 @@ import msgpack
 
 from .. import config
 from ..errors import AuthenticationError, CommError, HandshakeError, ProtocolError, ShoalError
-from ..protocol import NEUTRAL, PROTOCOL_VERSION, REMOTE, SAME_HOST
+from ..protocol import NEUTRAL, PROTOCOL_VERSION, REMOTE, SAME_HOST, prepare
 from ..protocol.messages import (
     HANDSHAKE,
     HandshakeAuthMsg,
@@ -40,7 +47,7 @@ from ..protocol.messages import (
     decode,
     to_wire,
 )
-from . import shm
+from . import session, shm
 from .core import host_identity
 from .framing import STRANGER_MAX_BYTES
 from .security import NONCE_BYTES, Security, check_proof, proof
@@ -95,6 +102,10 @@ def _depth(obj: Any, level: int = 1) -> int:
     return level
 
 
+class _Altered(Exception):
+    """The first tagged message does not match: the ends derived different keys."""
+
+
 class _Refused(Exception):
     """This end refuses the peer; the text goes to both sides."""
 
@@ -103,11 +114,15 @@ class _Refused(Exception):
         self.auth = auth  # about the secret: AuthenticationError
 
 
-async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, timeout: float) -> None:
+async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, timeout: float,
+                        me: str = "", expect: str | None = None) -> None:
     """Run the handshake on a fresh comm as ``role`` (:data:`CONNECTOR` or
-    :data:`ACCEPTOR`). On success ``comm.peer_info`` and ``comm.destination`` are set.
-    Raises :class:`HandshakeError` (the comm is then closed) for a refusal by either
-    side, a timeout, or a peer that breaks the protocol."""
+    :data:`ACCEPTOR`), telling the peer this end is ``me`` (a role: ``"scheduler"``,
+    ``"worker"``, ...) and refusing a peer that is not ``expect`` (``None``: any). On
+    success ``comm.peer_info`` and ``comm.destination`` are set, and over plain tcp
+    with a secret ``comm.session``. Raises :class:`HandshakeError` (the comm is then
+    closed) for a refusal by either side, a timeout, or a peer that breaks the
+    protocol."""
     # the frame protocol starts with a stranger's limits (one small frame a message,
     # nothing parsed after the handshake's messages); they are lifted once it is done
     protocol = comm._protocol
@@ -115,7 +130,7 @@ async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, t
     peer = comm.peer_address
     try:
         try:
-            probe = await _steps(comm, role, security, timeout)
+            probe = await _steps(comm, role, security, timeout, me, expect)
         except _Refused as exc:
             await _refuse(comm, str(exc))
             error = AuthenticationError if exc.auth else HandshakeError
@@ -123,6 +138,9 @@ async def run_handshake(comm: TCPComm, role: bytes, security: Security | None, t
         except HandshakeError:
             comm.abort()
             raise
+        except _Altered as exc:
+            comm.abort()
+            raise HandshakeError(f"refused connection {_direction(role)} {peer}: {exc}") from None
         except asyncio.TimeoutError:
             comm.abort()
             raise HandshakeError(
@@ -150,11 +168,12 @@ def _direction(role: bytes) -> str:
     return "to" if role == CONNECTOR else "from"
 
 
-async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout: float) -> tuple[str, str] | None:
+async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout: float,
+                 me: str, expect: str | None) -> tuple[str, str] | None:
     secret = security.secret if security is not None else None
     nonce = secrets.token_bytes(NONCE_BYTES)
-    await comm.write(to_wire(HandshakeMsg(PROTOCOL_VERSION, nonce, auth=secret is not None)))
-    hello = await _read(comm, HandshakeMsg, timeout)
+    sent_hello = await _write(comm, HandshakeMsg(PROTOCOL_VERSION, nonce, auth=secret is not None))
+    hello, got_hello = await _read(comm, HandshakeMsg, timeout)
     theirs = hello.nonce
     if len(theirs) != NONCE_BYTES:
         raise _Refused(f"malformed handshake: 'nonce' must be {NONCE_BYTES} bytes")
@@ -169,25 +188,41 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
     # None when /dev/shm cannot take one (full, no descriptors left): this connection
     # then offers no shared memory, which the peer's answer (can_map false) records
     probe = shm.probe()
+    # over tls the proofs cover the TLS session itself: one relayed between two TLS
+    # sessions does not check
+    binding = comm.channel_binding()
+    # no session tags over tls (its records are authenticated), nor without a secret
+    tagged = secret is not None and binding is None
     try:
-        offer = CHECKSUMS if comm.offers_checksums and config.get("wire-checksums") else None
+        offer = CHECKSUMS if comm.offers_checksums and config.get("wire-checksums") and not tagged else None
         mine = HandshakeAuthMsg(
-            proof=None if secret is None else proof(secret, role, n_connector, n_acceptor),
+            proof=None if secret is None else proof(secret, role, n_connector, n_acceptor, binding),
             pid=os.getpid(), host=host_identity(), shm_probe=None if probe is None else list(probe),
-            checksums=offer,
+            checksums=offer, role=me or None,
         )
-        await comm.write(to_wire(mine))
-        info = await _read(comm, HandshakeAuthMsg, timeout)
-        if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.proof):
+        sent_auth = await _write(comm, mine)
+        info, got_auth = await _read(comm, HandshakeAuthMsg, timeout)
+        if secret is not None and not check_proof(secret, other, n_connector, n_acceptor, info.proof, binding):
             raise _Refused("authentication failed: the peer does not know this cluster's secret", auth=True)
-        # the peer is one of ours from here on
+        # the peer is one of ours from here on (over tcp: if the session tags agree)
+        if tagged:
+            assert secret is not None
+            first = (sent_hello, got_hello, sent_auth, got_auth) if role == CONNECTOR else \
+                (got_hello, sent_hello, got_auth, sent_auth)
+            comm.session = session.session_keys(secret, _transcript(first), role == CONNECTOR)
+            comm._protocol.mac = comm.session.receive
         if info.reads not in (None, READS_NEUTRAL):
             raise _Refused(f"the peer reads {info.reads!r:.40}; this end knows only {READS_NEUTRAL!r} "
                            "(or no 'reads': every family)")
+        if expect is not None and info.role != expect:
+            raise _Refused(f"this end meant to reach a {expect} and the peer is {_a(info.role)}: "
+                           f"is something else listening at {comm.peer_address}?")
         offered = info.shm_probe
         can_map = offered is not None and len(offered) == 2 and shm.check_probe(*offered)
-        await comm.write(to_wire(HandshakeShmMsg(can_map)))
-        answer = await _read(comm, HandshakeShmMsg, timeout)
+        await _write(comm, HandshakeShmMsg(can_map))
+        # the third message: tagged, when there is a session
+        comm._protocol.set_limits(1, STRANGER_MAX_BYTES, messages=1)
+        answer, _ = await _read(comm, HandshakeShmMsg, timeout, tagged)
     except BaseException:
         if probe is not None:
             shm.unlink(probe[0])
@@ -198,6 +233,7 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
         "pid": info.pid,
         "host": info.host,
         "authenticated": secret is not None,
+        "role": info.role,
         "shm": {"peer_maps_ours": answer.can_map, "we_map_theirs": can_map},
     }
     if info.reads is not None:
@@ -209,11 +245,41 @@ async def _steps(comm: TCPComm, role: bytes, security: Security | None, timeout:
     return probe
 
 
+def _a(role: str | None) -> str:
+    if not role:
+        return "an end that did not say its role"
+    return f"an {role!r:.40}" if role[:1] in "aeiou" else f"a {role!r:.40}"
+
+
+def _transcript(messages: tuple[bytes, ...]) -> bytes:
+    """Steps 1 and 2 in the order connector, acceptor, connector, acceptor: each
+    message's bytes after its length (u64)."""
+    return b"".join(len(m).to_bytes(8, "little") + m for m in messages)
+
+
 _M = TypeVar("_M", bound=Msg)
 
 
-async def _read(comm: TCPComm, typ: type[_M], timeout: float) -> _M:
-    frames = await asyncio.wait_for(comm._protocol.next_frames(), timeout)
+async def _write(comm: TCPComm, msg: Msg) -> bytes:
+    """Send a handshake message; returns its bytes (one frame) as sent."""
+    wire = to_wire(msg)
+    frames = prepare(wire).frames(REMOTE)
+    assert len(frames) == 1
+    await comm.write(wire)
+    return bytes(frames[0])
+
+
+async def _read(comm: TCPComm, typ: type[_M], timeout: float, tagged: bool = False) -> tuple[_M, bytes]:
+    """The peer's next handshake message, and its bytes."""
+    try:
+        frames = await asyncio.wait_for(comm._protocol.next_frames(), timeout)
+    except ProtocolError:
+        if tagged:
+            raise _Altered(
+                "the handshake was changed on its way: the two ends derived different session keys "
+                "(someone between them relays or alters it), so the peer's first tagged message does not match"
+            ) from None
+        raise
     try:
         msg = decode_stranger(frames)
     except ProtocolError as exc:
@@ -234,7 +300,7 @@ async def _read(comm: TCPComm, typ: type[_M], timeout: float) -> _M:
         raise _Refused(f"the peer speaks shoal protocol version {msg.get('protocol')!r:.20}; "
                        f"this end speaks version {PROTOCOL_VERSION}")
     try:
-        return decode(HANDSHAKE, msg)  # type: ignore[return-value]
+        return decode(HANDSHAKE, msg), bytes(frames[0])  # type: ignore[return-value]
     except ProtocolError as exc:
         raise _Refused(str(exc)) from None
 

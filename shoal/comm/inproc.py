@@ -171,7 +171,7 @@ class InprocListener(Listener):
 class InprocBackend(Backend):
     # the two ends are one process: nothing to prove, ``security`` is not used
     async def connect(self, location: str, deserialize: bool, timeout: float,
-                      security: Any = None) -> InprocComm:
+                      security: Any = None, *, role: str = "client", expect: str | None = None) -> InprocComm:
         address = f"inproc://{location}"
         with _registry_lock:
             listener = _registry.get(address)

@@ -246,7 +246,7 @@ class TCPListener(Listener):
             return None
         conn.comm = comm
         try:
-            await run_handshake(comm, ACCEPTOR, self.security, _HANDSHAKE_TIMEOUT)
+            await run_handshake(comm, ACCEPTOR, self.security, _HANDSHAKE_TIMEOUT, self.role)
         except HandshakeError as exc:
             self._log_refusal(str(exc))
             return None

@@ -44,12 +44,14 @@ __all__ = [
     "auth_file_for",
     "write_auth_file",
     "read_secret",
+    "dashboard_token",
 ]
 
 logger = logging.getLogger("shoal.comm.security")
 
 NONCE_BYTES = 32
 _PROOF_LABEL = b"shoal-auth-1"
+_DASHBOARD_LABEL = b"shoal-dashboard-1"
 
 
 class Security:
@@ -193,19 +195,31 @@ class Security:
         return f"<Security {', '.join(parts)}>"
 
 
-def proof(secret: bytes, role: bytes, nonce_connector: bytes, nonce_acceptor: bytes) -> bytes:
+def proof(secret: bytes, role: bytes, nonce_connector: bytes, nonce_acceptor: bytes,
+          binding: bytes | None = None) -> bytes:
     """What an end sends to prove it knows ``secret``: HMAC-SHA256 of a label, its
-    ``role`` (``b"connector"`` or ``b"acceptor"``) and both nonces. The role keeps a
-    peer from passing our own proof back to us."""
-    msg = b"|".join((_PROOF_LABEL, role, nonce_connector, nonce_acceptor))
-    return hmac.new(secret, msg, hashlib.sha256).digest()
+    ``role`` (``b"connector"`` or ``b"acceptor"``), both nonces and, over tls, the TLS
+    session's channel binding (``binding``). The role keeps a peer from passing our own
+    proof back to us; the binding, a proof from being relayed into another TLS session."""
+    parts = [_PROOF_LABEL, role, nonce_connector, nonce_acceptor]
+    if binding is not None:
+        parts.append(binding)
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
 
 
-def check_proof(secret: bytes, role: bytes, nonce_connector: bytes, nonce_acceptor: bytes, got: Any) -> bool:
+def check_proof(secret: bytes, role: bytes, nonce_connector: bytes, nonce_acceptor: bytes, got: Any,
+                binding: bytes | None = None) -> bool:
     """Whether ``got`` is the proof of ``role`` for these nonces (constant time)."""
     if not isinstance(got, bytes):
         return False
-    return hmac.compare_digest(proof(secret, role, nonce_connector, nonce_acceptor), got)
+    return hmac.compare_digest(proof(secret, role, nonce_connector, nonce_acceptor, binding), got)
+
+
+def dashboard_token(secret: bytes) -> str:
+    """The token that logs a browser or a script into the dashboard of the cluster
+    whose secret is ``secret``: HMAC-SHA256 of a fixed label, in hex. Whoever holds the
+    secret can make it; it does not give the secret away."""
+    return hmac.new(secret, _DASHBOARD_LABEL, hashlib.sha256).hexdigest()
 
 
 def warn_if_exposed(listen_address: str, security: Security | None) -> bool:

@@ -53,6 +53,7 @@ from ..errors import (
 from ..protocol import REMOTE, loads, prepare
 from .framing import FrameProtocol as _FrameProtocol
 from .framing import alloc_buffer, checksum_trailer
+from . import session
 from .admission import relieve
 from .core import Backend, Comm, Handler, register_backend
 from .handshake import CONNECTOR, run_handshake
@@ -108,16 +109,17 @@ class TCPComm(Comm):
         self.local_address = local
         self.peer_address = peer
         self._loop = asyncio.get_running_loop()
-        self._write_lock = asyncio.Lock()
-        self._writers = 0  # writes that are sending or waiting for the lock
+        #: the turn of the last write: done once its message is out (see "writing")
+        self._tail: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
         self._closed = False
         #: leases of values we sent, held until the peer acknowledges them
         self._leases: dict[int, Any] = {}
-        self._rest: asyncio.Future[None] | None = None
         self._lost = False
         #: large frames carry checksums both ways (both ends agreed in the handshake)
         self.checksums = False
+        #: the session's keys: every message carries a tag (plain tcp with the secret)
+        self.session: session.SessionKeys | None = None
 
     def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> socket.socket:
         """Our own descriptor for writing, so sends never pass through the transport's
@@ -203,23 +205,61 @@ class TCPComm(Comm):
         self._end_leases(list(self._leases), reason)
 
     # -- writing
+    #
+    # Messages go out whole, in the order they were written. A write that finds none
+    # in progress hands its message to the kernel at once (no lock, no task switch);
+    # otherwise it takes a turn: a future the write before it completes once its last
+    # byte is out, taken synchronously, so a turn's order is the order of the calls.
+
+    def _idle(self) -> bool:
+        tail = self._tail
+        return tail is None or tail.done()
+
+    def _take_turn(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        prev = self._tail
+        mine: asyncio.Future[None] = self._loop.create_future()
+        self._tail = mine
+        return (None if prev is None or prev.done() else prev), mine
+
+    @staticmethod
+    def _pass_turn(prev: asyncio.Future[None] | None, mine: asyncio.Future[None]) -> None:
+        """The next write may go: now, or once ``prev`` is done (a write cancelled while
+        it waited must not let the next one overtake the one before it)."""
+        if mine.done():
+            return
+        if prev is None or prev.done():
+            mine.set_result(None)
+        else:
+            prev.add_done_callback(lambda _: _set_done(mine))
+
+    def _trailer(self, frames: list[Any], buffers: list[Any]) -> bytes:
+        """What follows a message sent now: its session tag (its large frames hashed
+        here), or its checksums, or nothing."""
+        keys = self.session
+        if keys is not None:
+            digests = {i + 1: session.digest_now(f) for i, f in enumerate(frames) if _nbytes(f) >= session.LARGE}
+            return keys.send.tag_buffers(buffers, digests)
+        return checksum_trailer(frames) if self.checksums else b""
 
     def write_nowait(self, msg: Any) -> bool:
         """Send a small message at once if nothing else is being sent; ``False`` (and
         nothing done) when it has to wait for its turn or needs the thread pool. What
         the kernel does not take at once goes out in order in the background. Raises
         like :meth:`write`."""
-        if self._writers:
+        if not self._idle():
             return False
         self._check_writable()
         prepared = prepare(msg)
         if prepared.values and prepared.nbytes > config.get("offload-threshold"):
             return False
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
-        if len(buffers) > _IOV_MAX:
+        buffers, size = _buffers(frames)
+        if len(buffers) >= _IOV_MAX:
             prepared.end_leases("not sent")
             return False
+        trailer = self._trailer(frames, buffers)
+        if trailer:
+            buffers.append(trailer)
         self._hold_leases(prepared.leases)
         try:
             sent = self._wsock.send(buffers[0]) if len(buffers) == 1 else self._wsock.sendmsg(buffers)
@@ -232,54 +272,34 @@ class TCPComm(Comm):
         _advance(views, sent)
         if views:
             # the rest waits for the socket, ahead of any later write
-            self._writers += 1
-            task = asyncio.ensure_future(self._send_rest(views, sent > 0))
-            self._rest = task
+            _, mine = self._take_turn()
+            asyncio.ensure_future(self._send_rest(views, sent > 0, mine))
         return True
 
-    async def _send_rest(self, views: deque[Any], started: bool) -> None:
+    async def _send_rest(self, views: deque[Any], started: bool, mine: asyncio.Future[None]) -> None:
         try:
-            async with self._write_lock:
-                await self._send(views, started)
+            await self._send(views, started)
         except CommError:
             pass  # the connection is gone; readers see it
         finally:
-            self._writers -= 1
+            _set_done(mine)
 
     async def write(self, msg: Any) -> int:
         self._check_writable()
         prepared = prepare(msg)
         if prepared.values and prepared.nbytes > config.get("offload-threshold"):
-            # serialized in the thread pool; the lock keeps later messages behind it
-            self._writers += 1
-            try:
-                async with self._write_lock:
-                    # (``kept``: the frames replaced, alive until sent: their mapping
-                    # holds the segment's lock, so the owner cannot reuse it meanwhile)
-                    frames, kept = await self._loop.run_in_executor(
-                        offload_executor(), _frames_for, prepared, self.destination
-                    )
-                    buffers, size = _buffers(frames)
-                    if self.closed():
-                        prepared.end_leases("closed")  # closed while serializing
-                    self._check_writable()
-                    self._hold_leases(prepared.leases)
-                    if not self.checksums:
-                        await self._send(deque(buffers), False)
-                    else:
-                        await self._send_checked(frames, buffers)
-            finally:
-                self._writers -= 1
-            return size
+            return await self._write_large(prepared)
         frames = prepared.frames(self.destination)
-        buffers, size = _buffers(frames, checksum_trailer(frames) if self.checksums else b"")
+        buffers, size = _buffers(frames)
         if prepared.leases:
             self._hold_leases(prepared.leases)
         sent = 0
-        if not self._writers and len(buffers) <= _IOV_MAX:
+        if self._idle() and len(buffers) < _IOV_MAX:
             # nobody else is sending or waiting to: hand the message to the kernel now,
             # without a lock or a task switch; only what it does not take waits below
-            self._check_writable()
+            trailer = self._trailer(frames, buffers)
+            if trailer:
+                buffers.append(trailer)
             try:
                 if len(buffers) == 1:
                     sent = self._wsock.send(buffers[0])
@@ -292,35 +312,77 @@ class TCPComm(Comm):
             except OSError as exc:
                 self.abort()
                 raise CommBrokenError(f"connection to {self.peer_address} broke: {exc}") from exc
-        views: deque[Any] = deque(buffers)
-        started = sent > 0
-        if started:
+            views: deque[Any] = deque(buffers)
             _advance(views, sent)
             if not views:
                 return size
-        self._writers += 1
+            _, mine = self._take_turn()
+            try:
+                await self._send(views, sent > 0)
+            finally:
+                _set_done(mine)
+            return size
+        prev, mine = self._take_turn()
         try:
-            async with self._write_lock:
-                if not started:
-                    self._check_writable()
-                await self._send(views, started)
+            if prev is not None:
+                await prev
+            self._check_writable()
+            trailer = self._trailer(frames, buffers)
+            if trailer:
+                buffers.append(trailer)
+            await self._send(deque(buffers), False)
         finally:
-            self._writers -= 1
+            self._pass_turn(prev, mine)
         return size
 
-    async def _send_checked(self, frames: list[Any], buffers: list[Any]) -> None:
-        """Send a large message's ``buffers`` while its checksum trailer is computed in
-        the thread pool (the sender waits for the socket most of the time: hashing then
-        costs no time of its own), then the trailer."""
-        digests = self._loop.run_in_executor(offload_executor(), checksum_trailer, frames)
+    async def _write_large(self, prepared: Any) -> int:
+        """A message serialized in the thread pool (while earlier writes go out), then
+        sent in its turn; its session tag or checksums are computed in the pool while
+        its frames go out (the sender waits for the socket most of the time: hashing
+        then costs no time of its own), and follow them."""
+        prev, mine = self._take_turn()
+        try:
+            # (``kept``: the frames replaced, alive until sent: their mapping holds
+            # the segment's lock, so the owner cannot reuse it meanwhile)
+            frames, kept = await self._loop.run_in_executor(
+                offload_executor(), _frames_for, prepared, self.destination
+            )
+            buffers, size = _buffers(frames)
+            if prev is not None:
+                await prev
+            if self.closed():
+                prepared.end_leases("closed")  # closed while serializing
+            self._check_writable()
+            self._hold_leases(prepared.leases)
+            await self._send_hashed(frames, buffers)
+        finally:
+            self._pass_turn(prev, mine)
+        return size
+
+    async def _send_hashed(self, frames: list[Any], buffers: list[Any]) -> None:
+        keys = self.session
+        if keys is None and not self.checksums:
+            return await self._send(deque(buffers), False)
+        if keys is not None:
+            chunks = {i + 1: session.chunk_digests(f) for i, f in enumerate(frames) if _nbytes(f) >= session.LARGE}
+            hashed: Any = None
+        else:
+            hashed = self._loop.run_in_executor(offload_executor(), checksum_trailer, frames)
         try:
             await self._send(deque(buffers), False)
-            trailer = await digests
+            if keys is not None:
+                for futures in chunks.values():
+                    for fut in futures:
+                        if not fut.done():
+                            await asyncio.wrap_future(fut)
+                trailer = keys.send.tag_buffers(buffers, {i: session.frame_digest(c) for i, c in chunks.items()})
+            else:
+                trailer = await hashed
             if trailer:
                 await self._send(deque([trailer]), True)
         except BaseException:
-            if not digests.done():
-                digests.cancel()
+            if hashed is not None and not hashed.done():
+                hashed.cancel()
             if not self._closed:
                 self.abort()  # the frames may be out without their trailer: the stream is unusable
             raise
@@ -404,11 +466,11 @@ class TCPComm(Comm):
     async def close(self) -> None:
         if self._closed:
             return
-        # let a write in progress finish so the peer gets whole messages
-        if self._write_lock.locked():
+        # let the writes in progress finish so the peer gets whole messages
+        if not self._idle():
+            assert self._tail is not None
             try:
-                await asyncio.wait_for(self._write_lock.acquire(), 5.0)
-                self._write_lock.release()
+                await asyncio.wait_for(asyncio.shield(self._tail), 5.0)
             except (asyncio.TimeoutError, Exception):
                 pass
         self._closed = True
@@ -418,6 +480,7 @@ class TCPComm(Comm):
 
     def abort(self) -> None:
         if self._closed:
+            self._transport.abort()  # closing gracefully, and not to wait for that any more
             return
         self._closed = True
         self._end_all_leases("closed")
@@ -426,6 +489,11 @@ class TCPComm(Comm):
 
     def closed(self) -> bool:
         return self._closed or self._lost
+
+    def channel_binding(self) -> bytes | None:
+        """What the handshake's proofs bind to besides the nonces: the TLS session
+        (tls://); None over plain tcp, whose messages carry session tags instead."""
+        return None
 
     def set_idle_timeout(self, seconds: float) -> None:
         self._protocol.set_idle_timeout(seconds)
@@ -508,7 +576,8 @@ class TCPBackend(Backend):
     scheme = "tcp"
 
     async def connect(self, location: str, deserialize: bool, timeout: float,
-                      security: Security | None = None) -> TCPComm:
+                      security: Security | None = None, *, role: str = "client",
+                      expect: str | None = None) -> TCPComm:
         self._check(security)
         host, port = _split_hostport(location)
         loop = asyncio.get_running_loop()
@@ -557,7 +626,8 @@ class TCPBackend(Backend):
                     raise CommConnectError(f"could not connect to {address} within {timeout}s: {exc!r}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.25)
-        await run_handshake(comm, CONNECTOR, security, max(deadline - loop.time(), _HANDSHAKE_TIMEOUT))
+        await run_handshake(comm, CONNECTOR, security, max(deadline - loop.time(), _HANDSHAKE_TIMEOUT),
+                            role, expect)
         return comm
 
     def _check(self, security: Security | None) -> None:

@@ -29,8 +29,8 @@ from .tcp import TCPBackend, TCPComm, _buffers, offload_executor
 __all__ = ["TLSComm", "TLSListener", "TLSBackend"]
 
 _HANDSHAKE_TIMEOUT = 10.0
-#: how long closing waits for the peer's side of the TLS shutdown before aborting
-_SHUTDOWN_WAIT = 2.0
+#: how long a closing TLS connection waits for the peer to close its side (asyncio: 30 s)
+_SHUTDOWN_TIMEOUT = 2.0
 
 
 class TLSComm(TCPComm):
@@ -41,35 +41,25 @@ class TLSComm(TCPComm):
     def _open_writer(self, sock: socket.socket, transport: asyncio.Transport, peer: str) -> Any:
         return None  # the transport encrypts: nothing may bypass it
 
-    def _close_wsock(self) -> None:
-        self._protocol.wake_writers(CommBrokenError(f"connection to {self.peer_address} was lost"))
-
-    #: resolved when the connection is lost, once close() waits for it
-    _gone: asyncio.Future[None] | None = None
-
-    def _on_lost(self) -> None:
-        super()._on_lost()
-        if self._gone is not None and not self._gone.done():
-            self._gone.set_result(None)
+    def channel_binding(self) -> bytes | None:
+        ssl_object = self._transport.get_extra_info("ssl_object")
+        binding = ssl_object.get_channel_binding("tls-unique") if ssl_object is not None else None
+        return binding or b""
 
     async def close(self) -> None:
-        """Close, waiting (briefly) for the TLS shutdown to finish: closing a TLS
-        transport starts an exchange of close_notify with the peer that ends on the
-        loop later, and a loop closed meanwhile (a client's, as it leaves) finds the
-        transport half-closed (uvloop: an error, a leaked socket)."""
-        if self._closed:
-            return
-        self._gone = self._loop.create_future()
+        """Close, and wait (up to the TLS shutdown's timeout) until the peer closed
+        its side of the session too: the connection is then gone, not closing."""
         await super().close()
-        if self._lost:
-            return
         try:
-            await asyncio.wait_for(asyncio.shield(self._gone), _SHUTDOWN_WAIT)
+            await asyncio.wait_for(self._protocol.gone.wait(), _SHUTDOWN_TIMEOUT)
         except asyncio.TimeoutError:
             self._transport.abort()
 
+    def _close_wsock(self) -> None:
+        self._protocol.wake_writers(CommBrokenError(f"connection to {self.peer_address} was lost"))
+
     def write_nowait(self, msg: Any) -> bool:
-        if self._writers or self._protocol.write_paused:
+        if not self._idle() or self._protocol.write_paused:
             return False
         self._check_writable()
         prepared = prepare(msg)
@@ -84,29 +74,30 @@ class TLSComm(TCPComm):
         self._check_writable()
         prepared = prepare(msg)
         offload = bool(prepared.values) and prepared.nbytes > config.get("offload-threshold")
-        if not offload and not self._writers:
+        if not offload and self._idle():
             buffers, size = _buffers(prepared.frames(self.destination))
             self._hold_leases(prepared.leases)
             self._transport.writelines(buffers)
             await self._protocol.drain()
             return size
         # behind a write that serializes in the thread pool, in order
-        self._writers += 1
+        prev, mine = self._take_turn()
         try:
-            async with self._write_lock:
-                if offload:
-                    frames = await self._loop.run_in_executor(offload_executor(), prepared.frames, self.destination)
-                else:
-                    frames = prepared.frames(self.destination)
-                buffers, size = _buffers(frames)
-                if self.closed():
-                    prepared.end_leases("closed")
-                self._check_writable()
-                self._hold_leases(prepared.leases)
-                self._transport.writelines(buffers)
-                await self._protocol.drain()
+            if offload:
+                frames = await self._loop.run_in_executor(offload_executor(), prepared.frames, self.destination)
+            else:
+                frames = prepared.frames(self.destination)
+            buffers, size = _buffers(frames)
+            if prev is not None:
+                await prev
+            if self.closed():
+                prepared.end_leases("closed")
+            self._check_writable()
+            self._hold_leases(prepared.leases)
+            self._transport.writelines(buffers)
+            await self._protocol.drain()
         finally:
-            self._writers -= 1
+            self._pass_turn(prev, mine)
         return size
 
     async def _send(self, views: deque[Any], started: bool = False) -> None:
@@ -129,7 +120,8 @@ class TLSListener(TCPListener):
     def _accept_kwargs(self) -> dict[str, Any]:
         # the TLS handshake is the first part of a stranger's time, with its own timeout
         assert self.security is not None
-        return {"ssl": self.security.ssl_context(server=True), "ssl_handshake_timeout": _HANDSHAKE_TIMEOUT}
+        return {"ssl": self.security.ssl_context(server=True), "ssl_handshake_timeout": _HANDSHAKE_TIMEOUT,
+                "ssl_shutdown_timeout": _SHUTDOWN_TIMEOUT}
 
     def _refusal(self) -> bytes:
         return b""  # no TLS session to say it in: the connection is closed
@@ -150,7 +142,8 @@ class TLSBackend(TCPBackend):
 
     def _connect_kwargs(self, security: Security | None) -> dict[str, Any]:
         assert security is not None
-        return {"ssl": security.ssl_context(server=False), "ssl_handshake_timeout": _HANDSHAKE_TIMEOUT}
+        return {"ssl": security.ssl_context(server=False), "ssl_handshake_timeout": _HANDSHAKE_TIMEOUT,
+                "ssl_shutdown_timeout": _SHUTDOWN_TIMEOUT}
 
     def _make_comm(self, protocol: FrameProtocol, local: str, peer: str, deserialize: bool) -> TCPComm:
         return TLSComm(protocol, local, peer, deserialize)

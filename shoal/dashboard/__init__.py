@@ -8,6 +8,7 @@ does not import aiohttp; :mod:`.server` does.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from ..scheduler.server import Scheduler
     from .server import Dashboard
 
-__all__ = ["DEFAULT_PORT", "parse_dashboard_address", "start_if_available"]
+__all__ = ["DEFAULT_PORT", "check_exposure", "is_loopback", "parse_dashboard_address", "start_if_available"]
 
 logger = logging.getLogger("shoal.dashboard")
 
@@ -50,6 +51,31 @@ def parse_dashboard_address(address: str) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"bad port in dashboard address {address!r}")
     return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this host's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, secret: bool, open_: bool) -> None:
+    """Raise ``ValueError`` when a dashboard served at ``host`` ("": all interfaces)
+    would be readable without login from other hosts: ``open_`` (``--dashboard-open``)
+    or a cluster without a ``secret`` (``--no-auth``) on an address that is not
+    loopback. The message says what to do instead."""
+    if is_loopback(host) or (secret and not open_):
+        return
+    why = "--dashboard-open (dashboard-open)" if secret else "a cluster without a secret (--no-auth)"
+    raise ValueError(
+        f"{why} serves the dashboard without login, on a loopback address only, not on "
+        f"{host or 'all interfaces'}: use --dashboard-address 127.0.0.1:PORT (or dashboard_address="
+        f"'127.0.0.1:PORT'), or no dashboard"
+    )
 
 
 async def start_if_available(scheduler: Scheduler, address: str) -> Dashboard | None:

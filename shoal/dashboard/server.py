@@ -19,17 +19,23 @@ came than one update carries, the oldest are skipped: a page always shows the ne
 Errors never become an HTML page: a bad parameter is a 400 and an unknown key a 404,
 with ``{"error": "..."}``; a bug in a handler is logged and answered with a 500 in
 the same form.
+
+Every request passes one middleware first (:meth:`Dashboard._guard_request`): it
+tells the connection guard (:mod:`.guard`) that a request is being answered, refuses
+a foreign ``Host`` on a loopback dashboard, and asks :mod:`.access` whether the
+request logged in; a refused one is answered there, before any handler reads the
+cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -38,7 +44,9 @@ from aiohttp import web
 from .. import config
 from ..comm.core import parse_address
 from ..scheduler.diagnostics import Steps
-from . import parse_dashboard_address
+from . import check_exposure, is_loopback, parse_dashboard_address
+from .access import ANONYMOUS, FULL, LOGGED_IN_ONLY, Access, page_name
+from .guard import ConnectionGuard, GuardedSite
 from .pages import PAGES, STATIC, render_page
 
 if TYPE_CHECKING:
@@ -74,6 +82,15 @@ class BadRequest(ValueError):
 _encode = msgspec.json.Encoder().encode
 
 _JSON_HEADERS = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+
+#: what the request being answered may see (access.FULL or access.ANONYMOUS), set by
+#: the middleware for its handler
+_VIEW: ContextVar[str] = ContextVar("shoal_dashboard_view", default=ANONYMOUS)
+
+#: the nav bar's connection indicator, and what goes before it for a viewer who has
+#: not logged in to an open dashboard
+_CONNECTION = '<span class="connection" id="connection">'
+_ANONYMOUS_NOTE = '<span class="anonymous" id="anonymous">not logged in: task keys and errors hidden</span>\n  '
 
 
 async def _paced(steps: Steps[T]) -> T:
@@ -122,15 +139,6 @@ def _text(request: web.Request, name: str) -> str:
     return raw
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _split_host(host_header: str) -> str:
     """The host of a ``Host`` header (``name:port``, ``[::1]:port``, ``name``)."""
     if host_header.startswith("["):
@@ -159,6 +167,11 @@ def _contact_host(host: str) -> str:
         return "127.0.0.1"
 
 
+def _without_keys(record: dict[str, Any]) -> dict[str, Any]:
+    """A task-stream record as an anonymous viewer sees it: no key, its own or its inputs'."""
+    return {**record, "key": None, "transfers": [{**t, "key": None} for t in record["transfers"]]}
+
+
 class _Shared:
     """The part of an update that is the same for every connection, encoded once per
     interval however many pages listen."""
@@ -182,19 +195,32 @@ class _Shared:
 
 class Dashboard:
     """A running dashboard of ``scheduler`` (made by :func:`start_dashboard`):
-    ``host`` and ``port`` where it listens, ``link`` its status page's URL."""
+    ``host`` and ``port`` where it listens, ``link`` its status page's URL and
+    ``login_link`` the same with the token that logs its opener in. ``open_``: serve
+    viewers who have not logged in (the anonymous view); ``metrics_public``: serve
+    ``/metrics`` without login (see :mod:`.access`). ``guard``: the bounds of its
+    connections."""
 
-    def __init__(self, scheduler: Scheduler, interval: float) -> None:
+    def __init__(self, scheduler: Scheduler, interval: float, open_: bool = False, metrics_public: bool = False,
+                 guard: ConnectionGuard | None = None) -> None:
         self.scheduler = scheduler
         self.interval = interval
         self.host = ""
         self.port = 0
         self.link = ""
+        self.login_link = ""
         self.closed = False
         #: it listens on a loopback address: it answers requests for loopback hosts only
         self.loopback_only = False
         #: event streams open now (pages that listen)
         self.open_streams = 0
+        self.open = open_
+        self.metrics_public = metrics_public
+        self.guard = guard or ConnectionGuard(int(config.get("dashboard-max-connections")),
+                                              int(config.get("dashboard-max-connections-per-host")),
+                                              float(config.get("dashboard-header-timeout")))
+        #: who may read it (made when its port is known: the cookie's name says it)
+        self.access = Access(scheduler.security.secret, 0, open_, metrics_public)
         self._closing = asyncio.Event()
         self._shared = _Shared(scheduler, interval)
         self._metrics: Any = None
@@ -206,7 +232,7 @@ class Dashboard:
     # -- starting and stopping
 
     def _app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=1 << 16)
+        app = web.Application(middlewares=[self._guard_request, self._errors], client_max_size=1 << 16)
         app.router.add_get("/", self._root)
         for page in PAGES:
             app.router.add_get(f"/{page}", self._page)
@@ -223,6 +249,8 @@ class Dashboard:
         return app
 
     async def _start(self, host: str, port: int) -> None:
+        secret = self.scheduler.security.secret
+        check_exposure(host, secret is not None, self.open)
         try:
             from .metrics import Metrics
 
@@ -234,14 +262,14 @@ class Dashboard:
         await runner.setup()
         self._runner = runner
         try:
-            site = web.TCPSite(runner, host, port)
+            site = GuardedSite(runner, host, port, self.guard)
             try:
                 await site.start()
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE or port == 0:
                     raise
                 await site.stop()
-                site = web.TCPSite(runner, host, 0)
+                site = GuardedSite(runner, host, 0, self.guard)
                 await site.start()
                 logger.info("dashboard: port %d is taken, serving on port %d instead", port,
                             runner.addresses[0][1])
@@ -250,14 +278,26 @@ class Dashboard:
             self._runner = None
             raise
         self.host = host
-        self.loopback_only = _is_loopback(host)
+        self.loopback_only = is_loopback(host)
         self.port = int(runner.addresses[0][1])
+        self.access = Access(secret, self.port, self.open, self.metrics_public)
         where = _contact_host(host)
         self.link = f"http://{f'[{where}]' if ':' in where else where}:{self.port}/status"
-        if not _is_loopback(host):
-            # pages name keys and show tracebacks: anyone who reaches the port reads them
-            logger.info("dashboard listens on %s: readable from other hosts (read-only)", host or "all interfaces")
-        logger.info("dashboard at %s", self.link)
+        self.login_link = self.access.login_link(self.link)
+        if secret is None:
+            logger.warning("dashboard of a cluster without a secret (--no-auth): served without login on %s; "
+                           "every user of this host reads its tasks, keys and errors", host)
+        elif self.open:
+            logger.warning("dashboard served without login on %s (dashboard-open): every user of this host sees its "
+                           "workers and counts by key prefix; task keys and errors need the token", host)
+        if self.metrics_public and secret is not None:
+            logger.info("dashboard: /metrics is served without login (metrics-public)")
+        if not is_loopback(host):
+            logger.info("dashboard listens on %s: reachable from other hosts (login required)",
+                        host or "all interfaces")
+        logger.info("dashboard at %s%s", self.link,
+                    "" if secret is None else " (log in with the link 'shoal scheduler' prints, or "
+                    "client.dashboard_link)")
 
     async def close(self) -> None:
         """Stop serving: open event streams end (within a moment), then the listener
@@ -269,15 +309,40 @@ class Dashboard:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        self.guard.close()
 
     # -- middleware
 
     @web.middleware
+    async def _guard_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Who may ask what (see the module), with the guard told of the request."""
+        transport = request.transport
+        view, presented = self.access.viewer(request)
+        self.guard.began(transport, bool(presented))
+        try:
+            if self.loopback_only and not is_loopback(_split_host(request.host)):
+                # a dashboard of this host only: a page of another site that had a name of
+                # its own resolve to 127.0.0.1 (DNS rebinding) must not read it
+                return _error(403, "this dashboard answers requests for a loopback host only")
+            if request.path == "/health":
+                return await handler(request)
+            page = page_name(request.path, PAGES)
+            if view is None:
+                return self.access.refusal(presented, page is not None)
+            if view != FULL and request.path in LOGGED_IN_ONLY:
+                return self.access.anonymous_refusal()
+            if presented and page is not None and "token" in request.query and request.method == "GET":
+                return self.access.onward(request, page)
+            reset = _VIEW.set(view)
+            try:
+                return await handler(request)
+            finally:
+                _VIEW.reset(reset)
+        finally:
+            self.guard.ended(transport)
+
+    @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.loopback_only and not _is_loopback(_split_host(request.host)):
-            # a dashboard of this host only: a page of another site that had a name of
-            # its own resolve to 127.0.0.1 (DNS rebinding) must not read it
-            return _error(403, "this dashboard answers requests for a loopback host only")
         try:
             return await handler(request)
         except BadRequest as exc:
@@ -301,7 +366,10 @@ class Dashboard:
             text = render_page(request.path.strip("/"), STATIC)
         except FileNotFoundError:
             return web.Response(status=404, text=f"{request.path}: the page is not installed")
-        return web.Response(text=text, content_type="text/html", headers={"Cache-Control": "no-cache"})
+        if _VIEW.get() != FULL:
+            text = text.replace(_CONNECTION, _ANONYMOUS_NOTE + _CONNECTION, 1)
+        return web.Response(text=text, content_type="text/html",
+                            headers={"Cache-Control": "no-cache", "Referrer-Policy": "no-referrer"})
 
     async def _static(self, request: web.Request) -> web.StreamResponse:
         root = STATIC.resolve()
@@ -328,24 +396,29 @@ class Dashboard:
     async def _workers(self, request: web.Request) -> web.StreamResponse:
         return _json(self.scheduler.diagnostics.workers())
 
-    def _chunk(self, since: int, limit: int) -> tuple[bytes, int, int]:
+    def _chunk(self, since: int, limit: int, keys: bool = True) -> tuple[bytes, int, int]:
         """Up to ``limit`` (at most CHUNK_RECORDS) records from ``since``: their JSON
-        (the members of a list), the next ``since``, and how many there are."""
+        (the members of a list), the next ``since``, and how many there are. Without
+        ``keys`` (an anonymous viewer), the records' keys are None."""
         part = self.scheduler.diagnostics.task_stream(since, min(limit, CHUNK_RECORDS))
         records = part["records"]
+        if not keys:
+            records = [_without_keys(r) for r in records]
         return _encode(records)[1:-1], part["next"], len(records)
 
     async def _write_records(self, write: Callable[[bytes], Awaitable[None]], since: int, limit: int,
-                             first: tuple[bytes, int, int] | None = None, head: bytes = b"") -> int:
+                             first: tuple[bytes, int, int] | None = None, head: bytes = b"",
+                             keys: bool = True) -> int:
         """Write ``head`` and ``{"records":[...],"next":N`` (no closing brace: the
         caller may add members) with ``write``, a chunk at a time, the loop free in
-        between; returns N. ``first``: the first chunk, if already made."""
-        body, since, n = first or self._chunk(since, limit)
+        between; returns N. ``first``: the first chunk, if already made; ``keys``: as
+        for :meth:`_chunk`."""
+        body, since, n = first or self._chunk(since, limit, keys)
         await write(head + b'{"records":[' + body)
         limit -= n
         while n == CHUNK_RECORDS and limit > 0:
             await asyncio.sleep(0)
-            body, since, n = self._chunk(since, limit)
+            body, since, n = self._chunk(since, limit, keys)
             if n:
                 await write(b"," + body)
             limit -= n
@@ -355,14 +428,15 @@ class Dashboard:
     async def _task_stream(self, request: web.Request) -> web.StreamResponse:
         since = _count(request, "since", 0, 1 << 62)
         limit = _count(request, "limit", 10_000, MAX_RECORDS)
-        first = self._chunk(since, limit)
+        keys = _VIEW.get() == FULL
+        first = self._chunk(since, limit, keys)
         body, after, n = first
         if n < CHUNK_RECORDS or limit <= CHUNK_RECORDS:  # all of it at once
             return web.Response(body=b'{"records":[%s],"next":%d}' % (body, after), headers=_JSON_HEADERS)
         response = web.StreamResponse(headers=_JSON_HEADERS)
         await response.prepare(request)
         try:
-            await self._write_records(response.write, since, limit, first)
+            await self._write_records(response.write, since, limit, first, keys=keys)
             await response.write(b"}")
         except ConnectionError:
             pass  # the reader went
@@ -394,6 +468,7 @@ class Dashboard:
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         d = self.scheduler.diagnostics
+        keys = _VIEW.get() == FULL
         last = request.headers.getall("Last-Event-ID", [])
         if last:  # a page that reconnects: on from where it was
             if len(last) > 1 or not (last[0].isascii() and last[0].isdigit()) or len(last[0]) > 18:
@@ -412,7 +487,7 @@ class Dashboard:
                 # one event, written in pieces: its id (the cursor) comes last
                 head = b"event: update\ndata: {" + self._shared.text() + b',"task_stream":'
                 cursor = await self._write_records(response.write, max(cursor, d.next_index - UPDATE_RECORDS),
-                                                   UPDATE_RECORDS, head=head)
+                                                   UPDATE_RECORDS, head=head, keys=keys)
                 await response.write(b"}}\nid: %d\n\n" % cursor)
                 try:
                     await asyncio.wait_for(self._closing.wait(), self.interval)
@@ -431,12 +506,15 @@ class Dashboard:
 async def start_dashboard(scheduler: Scheduler, address: str) -> Dashboard:
     """Serve ``scheduler``'s dashboard at ``address`` (``":8790"``, ``"127.0.0.1:0"``,
     ``"host:port"``; no host: the one the scheduler listens on) on the running loop.
-    A port that is taken is replaced by a free one (logged). Returns the
-    :class:`Dashboard`; raises ``ValueError`` for an address it cannot read and
-    ``OSError`` if it cannot listen there."""
+    A port that is taken is replaced by a free one (logged). The settings
+    ``dashboard-open`` and ``metrics-public`` say who may read it without login.
+    Returns the :class:`Dashboard`; raises ``ValueError`` for an address it cannot
+    read, or one not on loopback for a dashboard without login (``dashboard-open``, or
+    a scheduler without a secret), and ``OSError`` if it cannot listen there."""
     host, port = parse_dashboard_address(address)
     if not host:
         host = _scheduler_host(scheduler)
-    dashboard = Dashboard(scheduler, float(config.get("dashboard-interval")))
+    dashboard = Dashboard(scheduler, float(config.get("dashboard-interval")), open_=bool(config.get("dashboard-open")),
+                          metrics_public=bool(config.get("metrics-public")))
     await dashboard._start(host, port)
     return dashboard

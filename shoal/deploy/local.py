@@ -60,7 +60,7 @@ class LocalCluster:
     or pass their memory limit (``restarts`` counts it).
     ``dashboard_address``: where the scheduler serves its dashboard (``":8790"``, port
     8790 of ``host``, or the next free port if taken; ``"127.0.0.1:0"``; None: no
-    dashboard), whose status page is ``dashboard_link``;
+    dashboard), whose status page is ``dashboard_link`` (with its login token);
     ``silence_logs`` (a level, or True for warnings) sets the level of shoal's loggers.
     ``workers`` is ``{name: worker}``: :class:`~shoal.worker.server.Worker` objects
     in-process, :class:`~.processes.WorkerProcess` handles with processes; names are
@@ -143,8 +143,10 @@ class LocalCluster:
 
     @property
     def dashboard_link(self) -> str | None:
-        """The dashboard's status page (``http://127.0.0.1:8790/status``), or None."""
-        return self.scheduler.dashboard_link if self.scheduler is not None else None
+        """The dashboard's status page with the token that logs its opener in
+        (``http://127.0.0.1:8790/status?token=...``), or None."""
+        dashboard = self.scheduler.dashboard if self.scheduler is not None else None
+        return dashboard.login_link if dashboard is not None else None
 
     @property
     def worker_addresses(self) -> list[str]:

@@ -313,7 +313,8 @@ class DeployedCluster(abc.ABC):
         if not addresses:
             return
         deadline = time.monotonic() + self.timeout
-        comm = await connect(self.scheduler_address, timeout=self.timeout, deserialize=False, security=self.security)
+        comm = await connect(self.scheduler_address, timeout=self.timeout, deserialize=False, security=self.security,
+                             expect="scheduler")
         try:
             while time.monotonic() < deadline:
                 info = await send_recv(comm, "identity")
@@ -355,7 +356,7 @@ class DeployedCluster(abc.ABC):
         from ..comm import connect
         from ..rpc.core import send_recv
 
-        comm = await connect(self.scheduler_address, timeout=self.timeout, security=self.security)
+        comm = await connect(self.scheduler_address, timeout=self.timeout, security=self.security, expect="scheduler")
         try:
             got = await send_recv(comm, "adaptive-plan", workers=addresses, threads_per_worker=self.threads_per_worker,
                                   target_duration=target_duration)

@@ -20,7 +20,7 @@ from .serialize import (
 
 from . import neutral as _neutral  # noqa: F401 - its families: shoal.value, shoal.array
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -71,7 +71,10 @@ class HandshakeAuthMsg(Msg, tag="handshake-auth"):
     #: ``"xxh3-64"``: the sender puts checksums after large frames and verifies them,
     #: if the peer says so too (§2.4); absent: no checksums on this connection
     checksums: str | None = None
-    optional: ClassVar[tuple[str, ...]] = ("shm_probe", "reads", "checksums")
+    #: what the sender is: "scheduler", "worker", "nanny", "client", ... (§3); an end
+    #: that dialed a scheduler refuses anything else
+    role: str | None = None
+    optional: ClassVar[tuple[str, ...]] = ("shm_probe", "reads", "checksums", "role")
 
 
 class HandshakeShmMsg(Msg, tag="handshake-shm"):

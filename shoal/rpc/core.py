@@ -115,8 +115,11 @@ class Server:
         name: str = "",
         security: Security | None = None,
         schemas: dict[str, type[Msg]] | None = None,
+        role: str = "",
     ):
         self.handlers = dict(handlers)
+        #: what the listeners tell connecting peers this is ("scheduler", ...)
+        self.role = role
         #: op -> the struct its requests must decode as (see :mod:`shoal.protocol.messages`)
         self.schemas = dict(schemas or {})
         #: who may connect (see :func:`shoal.comm.listen`)
@@ -137,7 +140,8 @@ class Server:
 
     async def listen(self, address: str) -> Listener:
         """Start serving on ``address``; returns the listener."""
-        listener = await listen(address, self.handle_comm, deserialize=self.deserialize, security=self.security)
+        listener = await listen(address, self.handle_comm, deserialize=self.deserialize, security=self.security,
+                                role=self.role)
         self.listeners.append(listener)
         return listener
 

@@ -27,8 +27,10 @@ class ConnectionPool:
     """
 
     def __init__(self, limit: int | None = None, deserialize: bool = True, timeout: float | None = None,
-                 security: Security | None = None):
+                 security: Security | None = None, role: str = "client"):
         self.limit = config.get("pool-limit") if limit is None else limit
+        #: what this end tells the peers it connects to it is
+        self.role = role
         if self.limit < 1:
             raise ValueError("a connection pool needs a limit of at least 1")
         self.deserialize = deserialize
@@ -92,7 +94,7 @@ class ConnectionPool:
         self._opening += 1
         try:
             comm = await connect(address, timeout=self.timeout if timeout is None else timeout,
-                                 deserialize=self.deserialize, security=self.security)
+                                 deserialize=self.deserialize, security=self.security, role=self.role)
         except BaseException:
             self._wake()  # the slot we held is free again
             raise

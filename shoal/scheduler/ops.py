@@ -208,8 +208,8 @@ class SchedulerOps:
         loop = asyncio.get_running_loop()
         left = None if deadline is None else max(deadline - loop.time(), 0.0)
         try:
-            comm = await connect(nanny, deserialize=False, security=self.scheduler.security,
-                                 **({} if left is None else {"timeout": max(left, 0.1)}))
+            comm = await connect(nanny, deserialize=False, security=self.scheduler.security, role="scheduler",
+                                 expect="nanny", **({} if left is None else {"timeout": max(left, 0.1)}))
         except (CommError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         try:
@@ -267,7 +267,8 @@ class SchedulerOps:
         """``upload-file`` to one worker: None when it took the file, else the error
         response (its exception opaque, as the worker sent it)."""
         try:
-            comm = await connect(address, deserialize=False, security=self.scheduler.security)
+            comm = await connect(address, deserialize=False, security=self.scheduler.security, role="scheduler",
+                                 expect="worker")
         except (CommError, OSError) as exc:
             return error_message(exc, with_exception=False)
         try:

@@ -162,6 +162,7 @@ class Scheduler:
             name=name,
             security=self.security,
             schemas=SCHEDULER_REQUESTS,
+            role="scheduler",
         )
         self.worker_streams: dict[str, BatchedSend] = {}
         self.worker_comms: dict[str, Comm] = {}
@@ -184,7 +185,9 @@ class Scheduler:
 
     @property
     def dashboard_link(self) -> str | None:
-        """The dashboard's status page (``http://host:port/status``), or None."""
+        """The dashboard's status page (``http://host:port/status``), or None. Without
+        its token (this goes to every client: each adds the token of its own secret,
+        ``Client.dashboard_link``); ``dashboard.login_link`` has it."""
         return self.dashboard.link if self.dashboard is not None else None
 
     async def start(self, address: str = "tcp://127.0.0.1:0") -> Scheduler:

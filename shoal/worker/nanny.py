@@ -132,7 +132,8 @@ class Nanny:
         self.restarts = 0
         self.status = "created"
         self.server = Server({"identity": self.identity, "nanny-restart": self.restart, "nanny-close": self._close_op},
-                             deserialize=False, name="Nanny", security=self.security, schemas=NANNY_REQUESTS)
+                             deserialize=False, name="Nanny", security=self.security, schemas=NANNY_REQUESTS,
+                             role="nanny")
         self._crashes: collections.deque[float] = collections.deque()
         self._busy = False  # restarting or closing: the watch leaves the child alone
         self._lock: asyncio.Lock | None = None
@@ -316,7 +317,8 @@ class Nanny:
         if not self.scheduler_address:
             return False
         try:
-            comm = await connect(self.scheduler_address, timeout=1.0, deserialize=False, security=self.security)
+            comm = await connect(self.scheduler_address, timeout=1.0, deserialize=False, security=self.security,
+                                 role="nanny", expect="scheduler")
         except Exception:  # noqa: BLE001 - not there, or it refuses us: either way the worker stays down
             return False
         comm.abort()

@@ -58,7 +58,7 @@ async def wait_for_scheduler(address: str, timeout: float, security: Callable[[]
         left = deadline - loop.time()
         try:
             comm = await connect(address, timeout=max(left if told else min(left, FIRST_TRY), 0.01),
-                                 deserialize=False, security=security())
+                                 deserialize=False, security=security(), role="worker", expect="scheduler")
         except AuthenticationError:
             if not stale_secret_ok or loop.time() + AUTH_RETRY_DELAY >= deadline:
                 raise

@@ -137,6 +137,7 @@ class Worker(PeerData):
             },
             name=f"worker {name}",
             schemas=WORKER_REQUESTS,
+            role="worker",
         )
         self.state: WorkerState | None = None
         self.threads = TaskThreads(nthreads, name=f"shoal-task{('-' + name) if name else ''}",
@@ -145,7 +146,7 @@ class Worker(PeerData):
         self.plugins: dict[str, Any] = {}
         #: what its tasks ask of it: a client, leaving and rejoining the thread pool
         self.services = context.TaskServices(self)
-        self.pool = ConnectionPool(limit=64)
+        self.pool = ConnectionPool(limit=64, role="worker")
         self.stream: BatchedSend | None = None
         self.scheduler_comm: Comm | None = None
         self._ids = itertools.count()
@@ -184,7 +185,8 @@ class Worker(PeerData):
     async def start(self) -> Worker:
         self.loop = asyncio.get_running_loop()
         self._stopped = self.loop.create_future()
-        comm = await connect(self.scheduler_address, deserialize=False, security=self.security)
+        comm = await connect(self.scheduler_address, deserialize=False, security=self.security,
+                             role="worker", expect="scheduler")
         if self.security is None:
             self.security = comm.security  # what was found for the scheduler's address
         # peers prove the cluster's secret to this worker as to the scheduler

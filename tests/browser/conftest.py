@@ -65,6 +65,15 @@ class Tab:
         self.page.on("console", self._console)
         self.page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
 
+    def login(self, link: str) -> None:
+        """Open ``link``, a dashboard's link with its token (as ``shoal scheduler``
+        prints it), and wait until the page it sends the browser on to has loaded:
+        the tab's context then has the dashboard's cookie."""
+        self.page.goto(link)
+        page = link.partition("?")[0].rpartition("/")[2]
+        self.page.wait_for_url(f"**/{page}", timeout=WAIT_MS)
+        self.page.wait_for_load_state()
+
     def _only_files(self, route: Any) -> None:
         if route.request.url.startswith("file://"):
             route.continue_()
@@ -100,13 +109,16 @@ class Tab:
 
 @pytest.fixture
 def tab(browser: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A function that opens a :class:`Tab` (``tab(offline=True)``: no network at all);
-    every tab opened is closed after the test, and none may have had an error."""
+    """A function that opens a :class:`Tab` (``tab(offline=True)``: no network at all;
+    ``tab(login=link)``: logged in to a dashboard with its link first); every tab
+    opened is closed after the test, and none may have had an error."""
     opened: list[Tab] = []
 
-    def open_tab(offline: bool = False) -> Tab:
+    def open_tab(offline: bool = False, login: str | None = None) -> Tab:
         t = Tab(browser, tmp_path, f"{request.node.name}-{len(opened)}", offline=offline)
         opened.append(t)
+        if login is not None:
+            t.login(login)
         return t
 
     yield open_tab

@@ -20,16 +20,16 @@ N_INC = 30
 def ran():
     with shoal.LocalCluster(n_workers=2, threads_per_worker=2, processes=False,
                             dashboard_address="127.0.0.1:0") as cluster, shoal.Client(cluster) as client:
-        link = cluster.dashboard_link
-        assert link is not None and link.startswith("http://127.0.0.1:") and link.endswith("/status")
+        link = cluster.dashboard_link  # (with the token that logs a browser in)
+        assert link is not None and link.startswith("http://127.0.0.1:") and "/status?token=" in link
         incs = client.map(inc, range(N_INC))
         whole = client.submit(total, *incs)
         assert whole.result() == sum(range(1, N_INC + 1))
         bad = client.submit(boom, 7)
         with pytest.raises(ValueError, match="no such luck"):
             bad.result()
-        yield {"cluster": cluster, "client": client, "base": link.rsplit("/", 1)[0], "incs": incs,
-               "whole": whole, "bad": bad}
+        yield {"cluster": cluster, "client": client, "link": link, "base": link.partition("?")[0].rsplit("/", 1)[0],
+               "incs": incs, "whole": whole, "bad": bad}
 
 
 def ran_count(cluster) -> int:
@@ -40,7 +40,7 @@ def test_status_page_draws_a_rectangle_per_task_that_ran(tab, ran):
     cluster = ran["cluster"]
     expected = ran_count(cluster)
     assert expected == N_INC + 2
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/status")
     t.wait("n => window.shoalDashboard && window.shoalDashboard.taskCount() === n", expected)
     assert t.page.inner_text("#task-count").startswith(f"{expected} tasks, 1 erred")
@@ -62,7 +62,7 @@ def test_status_page_draws_a_rectangle_per_task_that_ran(tab, ran):
 
 def test_the_task_stream_grows_as_tasks_run(tab, ran):
     cluster, client = ran["cluster"], ran["client"]
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/status")
     before = ran_count(cluster)
     t.wait("n => window.shoalDashboard && window.shoalDashboard.taskCount() === n", before)
@@ -76,7 +76,7 @@ def test_the_task_stream_grows_as_tasks_run(tab, ran):
 
 def test_clicking_a_task_opens_its_page(tab, ran):
     bad = ran["bad"]
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/status")
     t.wait("() => window.shoalDashboard && window.shoalDashboard.updates() >= 1")  # the page's layout is complete
     point = t.wait("key => window.shoalDashboard && window.shoalDashboard.taskPoint(key)", bad.key)
@@ -89,7 +89,7 @@ def test_clicking_a_task_opens_its_page(tab, ran):
 
 def test_workers_page_lists_every_worker(tab, ran):
     cluster = ran["cluster"]
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/workers")
     addresses = sorted(cluster.scheduler.state.workers)
     shown = t.wait("n => { const w = window.shoalDashboard.workers(); return w.length === n && w; }", len(addresses))
@@ -107,7 +107,7 @@ def test_workers_page_lists_every_worker(tab, ran):
 
 def open_task_page(tab, ran, key: str):
     """A tab showing task ``key``'s page, once its story is drawn."""
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/task?key=" + urllib.parse.quote(key))
     t.page.wait_for_selector("#task-story")
     return t
@@ -142,7 +142,7 @@ def test_task_page_shows_inputs_and_how_they_came(tab, ran):
 
 def test_search_finds_a_key(tab, ran):
     bad = ran["bad"]
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/task")
     t.page.fill("#search-input", "boom")
     t.page.wait_for_selector("#search-results a")
@@ -154,7 +154,7 @@ def test_search_finds_a_key(tab, ran):
 
 
 def test_graph_page_shows_the_prefixes(tab, ran):
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/graph")
     nodes = t.wait("() => { const n = window.shoalDashboard && window.shoalDashboard.graphNodes(); return n && n.length >= 3 && n; }")
     assert sorted(nodes) == ["boom", "inc", "total"]
@@ -163,7 +163,7 @@ def test_graph_page_shows_the_prefixes(tab, ran):
 
 
 def test_nav_bar_links_the_four_pages(tab, ran):
-    t = tab()
+    t = tab(login=ran["link"])
     t.page.goto(ran["base"] + "/")
     t.page.wait_for_url("**/status")
     for name in ("Workers", "Task", "Graph", "Status"):

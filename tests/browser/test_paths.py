@@ -23,8 +23,7 @@ def procs():
 def test_the_status_page_draws_each_path(tab, procs):
     cluster, client = procs
     a, b = sorted(cluster.scheduler.state.workers)
-    t = tab()
-    t.page.goto(cluster.dashboard_link)
+    t = tab(login=cluster.dashboard_link)
     t.wait("() => window.shoalDashboard && window.shoalDashboard.updates() >= 1")
     small = client.submit(inc, 1, workers=[a], pure=False)
     large = client.submit(make, 8 * MB, workers=[a], pure=False)

@@ -32,13 +32,14 @@ from shoal.errors import AuthenticationError, HandshakeError
 from shoal.protocol import PROTOCOL_VERSION
 from shoal.rpc import Server, rpc
 from shoal_helpers import (
-    LoopThread,
     complete_handshake,
     frame_bytes,
     handshake_bytes,
     log_waiter,
+    LoopThread,
     message_bytes,
     one_frame_messages,
+    raw_socket,
     recv_frames,
     recv_until_closed,
 )
@@ -133,7 +134,7 @@ def _served(sec: Security) -> Iterator[tuple[LoopThread, Server]]:
 
 def _raw(address: str) -> socket.socket:
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
+    return raw_socket(host, int(port), 10)
 
 
 def test_the_secret_never_crosses_the_wire_and_a_raw_peer_with_it_gets_in():

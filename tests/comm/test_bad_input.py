@@ -27,16 +27,17 @@ from shoal.comm.handshake import MAX_BYTES
 from shoal.protocol import loads
 from shoal.rpc import Server, rpc
 from shoal_helpers import (
+    complete_handshake,
+    frame_bytes,
+    log_waiter,
     LogWaiter,
     LoopThread,
-    frame_bytes,
-    complete_handshake,
-    secret_of,
-    log_waiter,
     message_bytes,
     raw_connect,
+    raw_socket,
     recv_frames,
     recv_until_closed,
+    secret_of,
 )
 
 
@@ -90,7 +91,7 @@ def bad_peer_scenario(caplog: pytest.LogCaptureFixture) -> Iterator[tuple[str, s
         bad = None
         try:
             assert raw_call(before, "warm") == "warm"
-            bad = socket.create_connection(_hostport(address), timeout=10)
+            bad = raw_socket(*_hostport(address), 10)
             yield address, before, bad, logs
         finally:
             before.close()

@@ -558,7 +558,8 @@ class WrappedInproc(Backend):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    async def connect(self, location: str, deserialize: bool, timeout: float, security: Any = None) -> Comm:
+    async def connect(self, location: str, deserialize: bool, timeout: float, security: Any = None,
+                      **roles: Any) -> Comm:
         self.calls.append("connect")
         return await get_backend("inproc").connect(location, deserialize, timeout)
 

@@ -18,11 +18,12 @@ import pytest
 
 from shoal import config
 from shoal.comm import connect, listen
+from shoal.comm.security import Security
 from shoal.comm.framing import CHECKSUM_MIN, CorruptMessage, checksum_trailer
 from shoal.comm.tcp import _FrameProtocol
 from shoal.errors import CommError, CorruptedDataError, ProtocolError
 from shoal.protocol import to_serialize
-from shoal_helpers import complete_handshake, recv_frames, secret_of
+from shoal_helpers import complete_handshake, raw_socket, recv_frames, secret_of
 
 
 def _wire(frames: list[bytes]) -> bytes:
@@ -273,8 +274,8 @@ def test_without_checksums_agreed_no_trailer_is_read_or_written():
 def _raw_peer(address: str, checksums: bool) -> socket.socket:
     """A socket to ``address`` that did the handshake by hand, offering checksums or not."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    complete_handshake(sock, secret_of(address), **({"checksums": "xxh3-64"} if checksums else {}))
+    sock = raw_socket(host, int(port), 10)
+    complete_handshake(sock, None, **({"checksums": "xxh3-64"} if checksums else {}))
     return sock
 
 
@@ -295,7 +296,8 @@ async def test_a_message_corrupted_on_the_wire_is_a_clear_error_and_the_connecti
             if msg == "last":
                 done.set()
 
-    listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True)
+    # checksums are what ends without the secret have (with it, session tags: test_sessions.py)
+    listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True, security=Security.disabled())
     loop = asyncio.get_running_loop()
     sock = await loop.run_in_executor(None, _raw_peer, listener.contact_address, True)
     try:
@@ -323,7 +325,7 @@ async def test_a_shoal_sender_puts_the_trailer_only_for_a_peer_that_offered_chec
             comms.append(comm)
             await comm.write({"op": "y", "data": bytearray(100_000)})
 
-        listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True)
+        listener = await listen("tcp://127.0.0.1:0", handler, deserialize=True, security=Security.disabled())
         loop = asyncio.get_running_loop()
         sock = await loop.run_in_executor(None, _raw_peer, listener.contact_address, offer)
         try:

@@ -3,6 +3,7 @@
 its CPU are not the test's).
 
 SPEC: ``targets`` (a list of ``[host, port, tls]``), ``count`` (connections per target),
+``protocol`` (the shoal protocol version its handshakes name),
 ``slow`` (the fraction of them that dribble bytes), ``reconnect`` (open a new one for
 each the peer closes, so that ``count`` are always trying), ``interval`` (seconds
 between two bytes of a slow connection).
@@ -34,8 +35,8 @@ from typing import Any
 import msgpack
 
 
-def _shoal_hello() -> bytes:
-    msg = msgpack.packb({"op": "handshake", "protocol": 4, "nonce": os.urandom(32), "auth": True},
+def _shoal_hello(protocol: int) -> bytes:
+    msg = msgpack.packb({"op": "handshake", "protocol": protocol, "nonce": os.urandom(32), "auth": True},
                        use_bin_type=True)
     return struct.pack("<QQ", 1, len(msg)) + msg
 
@@ -72,7 +73,7 @@ class Flood:
         self.reconnect = bool(spec.get("reconnect", True))
         self.interval = float(spec.get("interval", 0.2))
         slow_every = spec.get("slow", 0.5)
-        self.payloads = {False: _shoal_hello(), True: _client_hello()}
+        self.payloads = {False: _shoal_hello(int(spec["protocol"])), True: _client_hello()}
         self.sel = selectors.DefaultSelector()
         self.again: list[Slot] = []
         self.stats = [{"opened": 0, "closed": 0, "failed": 0} for _ in self.targets]

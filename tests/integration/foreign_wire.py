@@ -29,7 +29,7 @@ import msgpack
 # The foreign worker (docs/protocol.md only; no shoal imports in this part)
 # =====================================================================================
 
-PROTOCOL_VERSION = 4  # §3
+PROTOCOL_VERSION = 5  # §3
 MAX_FRAMES = 1 << 20  # §2.2
 MAX_FRAME_BYTES = 1 << 36  # §2.2
 EXT_TUPLE = 1  # §4.1
@@ -99,16 +99,25 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, stop: Any,
 
 
 def recv_frames(sock: socket.socket, deadline: float, stop: Any = None) -> list[bytes]:
-    """One message's frames (§2.1); raises EOF at a clean end of the connection and
-    Stopped if ``stop.is_set()`` while no message has started."""
-    (n,) = struct.unpack("<Q", _recv_exact(sock, 8, deadline, stop, at_boundary=True))
+    """One message's frames (§2.1), its tag checked on a connection with a session
+    (§2.5); raises EOF at a clean end of the connection and Stopped if
+    ``stop.is_set()`` while no message has started."""
+    head = _recv_exact(sock, 8, deadline, stop, at_boundary=True)
+    (n,) = struct.unpack("<Q", head)
     deadline = min(deadline, time.monotonic() + OP_TIMEOUT)
     if not 1 <= n <= MAX_FRAMES:
         raise WireError(f"message announces {n} frames")
-    lengths = struct.unpack(f"<{n}Q", _recv_exact(sock, 8 * n, deadline, None))
+    head += _recv_exact(sock, 8 * n, deadline, None)
+    lengths = struct.unpack_from(f"<{n}Q", head, 8)
     if max(lengths) > MAX_FRAME_BYTES:
         raise WireError(f"frame of {max(lengths)} bytes")
-    return [_recv_exact(sock, size, deadline, None) if size else b"" for size in lengths]
+    frames = [_recv_exact(sock, size, deadline, None) if size else b"" for size in lengths]
+    session = SESSIONS.get(sock)
+    if session is not None:
+        got = _recv_exact(sock, TAG_BYTES, deadline, None)
+        if not hmac.compare_digest(got, session.tag(False, head, frames)):
+            raise WireError("a message whose session tag does not match (§2.5)")
+    return frames
 
 
 def send_frames(sock: socket.socket, frames: list[Any], deadline: float) -> None:
@@ -117,14 +126,55 @@ def send_frames(sock: socket.socket, frames: list[Any], deadline: float) -> None
         raise TimeoutError("no time left to send")
     sock.settimeout(remaining)
     lengths = [memoryview(f).nbytes for f in frames]
+    head = struct.pack(f"<Q{len(frames)}Q", len(frames), *lengths)
+    session = SESSIONS.get(sock)
     try:
         # one message's bytes, contiguous on the stream (one writer per socket)
-        sock.sendall(struct.pack(f"<Q{len(frames)}Q", len(frames), *lengths))
+        sock.sendall(head)
         for f in frames:
             if lengths and memoryview(f).nbytes:
                 sock.sendall(f)
+        if session is not None:
+            sock.sendall(session.tag(True, head, frames))
     except OSError as exc:
         raise WireError(f"connection broke while sending: {exc}") from exc
+
+
+# -- §2.5 session tags -----------------------------------------------------------------
+
+TAG_BYTES = 16
+LARGE_FRAME = 1 << 16
+TAG_PIECE = 1 << 20
+
+
+class Session:
+    """The keys and sequence numbers of a connection whose ends proved the secret."""
+
+    def __init__(self, secret: bytes, transcript: bytes, connector: bool):
+        prk = hmac.new(secret, b"shoal-session-1|" + hashlib.sha256(transcript).digest(), hashlib.sha256).digest()
+        by_connector = hmac.new(prk, b"connector", hashlib.sha256).digest()
+        by_acceptor = hmac.new(prk, b"acceptor", hashlib.sha256).digest()
+        self.keys = {True: by_connector, False: by_acceptor} if connector else \
+            {True: by_acceptor, False: by_connector}
+        self.seq = {True: 0, False: 0}
+
+    def tag(self, sending: bool, head: bytes, frames: list[Any]) -> bytes:
+        """The tag of the next message this end sends (or receives)."""
+        h = hmac.new(self.keys[sending], struct.pack("<Q", self.seq[sending]) + head, hashlib.sha256)
+        self.seq[sending] += 1
+        for f in frames:
+            view = memoryview(f).cast("B")
+            if view.nbytes < LARGE_FRAME:
+                h.update(view)
+            else:
+                pieces = b"".join(hashlib.sha256(view[i : i + TAG_PIECE]).digest()
+                                  for i in range(0, view.nbytes, TAG_PIECE))
+                h.update(hashlib.sha256(pieces).digest())
+        return h.digest()[:TAG_BYTES]
+
+
+#: the sessions of the connections that have one
+SESSIONS: weakref.WeakKeyDictionary[socket.socket, Session] = weakref.WeakKeyDictionary()
 
 
 # -- §4 messages ---------------------------------------------------------------------
@@ -646,8 +696,12 @@ def auth_proof(secret: bytes, role: bytes, nonce_c: bytes, nonce_a: bytes) -> by
     return hmac.new(secret, b"|".join((b"shoal-auth-1", role, nonce_c, nonce_a)), hashlib.sha256).digest()
 
 
-def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str) -> dict[str, Any]:
-    msg = decode(recv_frames(sock, deadline, stop))
+def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str,
+                   raw: list[bytes] | None = None) -> dict[str, Any]:
+    frames = recv_frames(sock, deadline, stop)
+    if raw is not None:
+        raw.append(frames[0])
+    msg = decode(frames)
     if isinstance(msg, dict) and msg.get("op") == "handshake-refused":
         raise WireError(f"refused: {msg.get('reason')}")
     if not isinstance(msg, dict) or msg.get("op") != op:
@@ -655,12 +709,14 @@ def _handshake_msg(sock: socket.socket, deadline: float, stop: Any, op: str) -> 
     return msg
 
 
-def _send_step(sock: socket.socket, msg: dict[str, Any], deadline: float) -> None:
-    """Send a handshake step. A peer that refused us wrote ``handshake-refused`` and
-    closed, so our send may break on its reset: the reason is then already waiting in
-    our receive buffer, and it is the error to report."""
+def _send_step(sock: socket.socket, msg: dict[str, Any], deadline: float) -> bytes:
+    """Send a handshake step; returns its bytes. A peer that refused us wrote
+    ``handshake-refused`` and closed, so our send may break on its reset: the reason
+    is then already waiting in our receive buffer, and it is the error to report."""
+    frames = encode(msg)
     try:
-        send_frames(sock, encode(msg), deadline)
+        send_frames(sock, frames, deadline)
+        return bytes(frames[0])
     except WireError as broke:
         try:
             said = decode(recv_frames(sock, min(deadline, time.monotonic() + 1.0)))
@@ -673,38 +729,47 @@ def _send_step(sock: socket.socket, msg: dict[str, Any], deadline: float) -> Non
 
 def handshake(sock: socket.socket, host_id: str, deadline: float, stop: Any = None,
               shm: bool = False, secret: bytes | None = None, connector: bool = True,
-              reads: str | None = None) -> dict[str, Any]:
+              reads: str | None = None, expect: str | None = None, role: str = "worker") -> dict[str, Any]:
     """§3, all three steps, as the end that opened the connection (``connector``) or
-    accepted it. With ``shm`` we offer a probe and answer whether we could open the
+    accepted it; with a secret, the connection's session (§2.5) then tags every
+    message. With ``shm`` we offer a probe and answer whether we could open the
     peer's; without, we offer none and answer false, so every peer treats us as
-    ``remote``. Returns the peer's step 2 and both answers."""
+    ``remote``. ``role``: what we say we are; ``expect``: the role the peer must say
+    it is. Returns the peer's step 2 and both answers."""
     nonce = os.urandom(32)
-    send_frames(sock, encode({"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce,
-                              "auth": secret is not None}), deadline)
-    hello = _handshake_msg(sock, deadline, stop, "handshake")
+    mine, theirs_raw = [], []
+    mine.append(_send_step(sock, {"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce,
+                                  "auth": secret is not None}, deadline))
+    hello = _handshake_msg(sock, deadline, stop, "handshake", theirs_raw)
     theirs = hello.get("nonce")
     if hello.get("protocol") != PROTOCOL_VERSION or not isinstance(theirs, bytes) or len(theirs) != 32:
         raise WireError(f"bad handshake {hello!r:.100}")
     if (hello.get("auth") is True) != (secret is not None):
         raise WireError("one end authenticates and the other does not")
     nonce_c, nonce_a = (nonce, theirs) if connector else (theirs, nonce)
-    role, peer_role = (b"connector", b"acceptor") if connector else (b"acceptor", b"connector")
+    side, peer_side = (b"connector", b"acceptor") if connector else (b"acceptor", b"connector")
     probe = make_probe() if shm else None
     try:
         step2: dict[str, Any] = {
-            "op": "handshake-auth", "pid": os.getpid(), "host": host_id,
-            "proof": None if secret is None else auth_proof(secret, role, nonce_c, nonce_a),
+            "op": "handshake-auth", "pid": os.getpid(), "host": host_id, "role": role,
+            "proof": None if secret is None else auth_proof(secret, side, nonce_c, nonce_a),
         }
         if probe is not None:
             step2["shm_probe"] = list(probe)
         if reads is not None:
             step2["reads"] = reads  # e.g. "neutral": we decode no pickle
-        _send_step(sock, step2, deadline)
-        info = _handshake_msg(sock, deadline, stop, "handshake-auth")
+        mine.append(_send_step(sock, step2, deadline))
+        info = _handshake_msg(sock, deadline, stop, "handshake-auth", theirs_raw)
         if secret is not None and not hmac.compare_digest(
-            auth_proof(secret, peer_role, nonce_c, nonce_a), info.get("proof") or b""
+            auth_proof(secret, peer_side, nonce_c, nonce_a), info.get("proof") or b""
         ):
             raise WireError("the peer's proof is wrong")
+        if secret is not None:  # §2.5: step 3 on carries tags
+            first = (mine[0], theirs_raw[0], mine[1], theirs_raw[1]) if connector else \
+                (theirs_raw[0], mine[0], theirs_raw[1], mine[1])
+            SESSIONS[sock] = Session(secret, b"".join(len(m).to_bytes(8, "little") + m for m in first), connector)
+        if expect is not None and info.get("role") != expect:
+            raise WireError(f"the peer is {info.get('role')!r}, not the {expect} we dialed")
         can_map = shm and check_probe(info.get("shm_probe"))
         _send_step(sock, {"op": "handshake-shm", "can_map": can_map}, deadline)
         answer = _handshake_msg(sock, deadline, stop, "handshake-shm")
@@ -760,12 +825,12 @@ class Connection:
 
 
 def connect(address: str, host_id: str, deadline: float, shm: bool = False,
-            secret: bytes | None = None) -> tuple[socket.socket, dict[str, Any]]:
+            secret: bytes | None = None, expect: str | None = None) -> tuple[socket.socket, dict[str, Any]]:
     host, port = parse_address(address)
     assert host in ("127.0.0.1", "localhost", "::1"), f"loopback only, got {address}"
     sock = socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
     try:
-        hs = handshake(sock, host_id, deadline, shm=shm, secret=secret)
+        hs = handshake(sock, host_id, deadline, shm=shm, secret=secret, expect=expect)
     except BaseException:
         sock.close()
         raise

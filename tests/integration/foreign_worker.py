@@ -120,7 +120,7 @@ class ForeignWorker:
         self._spawn(self._accept_loop, "foreign-accept")
         deadline = time.monotonic() + OP_TIMEOUT
         sock, self.scheduler_handshake = connect(self.scheduler_address, self.host_id, deadline, self.shm,
-                                                 secret=self.secret)
+                                                 secret=self.secret, expect="scheduler")
         self._track(sock)
         send_frames(sock, encode({
             "op": "register-worker", "address": self.address, "nthreads": 1,

@@ -1,5 +1,9 @@
 """The dashboard's HTTP server on real clusters, asked as a browser or Prometheus
-would: pages, the JSON API, /metrics, the event stream, and how it starts and stops."""
+would: pages, the JSON API, /metrics, the event stream, and how it starts and stops.
+
+Every dashboard here has one secret (:data:`SECURITY`), and the helpers log in as a
+script does, with ``Authorization: Bearer TOKEN`` (:data:`AUTH`); what a request
+without it gets is test_dashboard_auth.py's subject."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import shoal  # noqa: E402
 from shoal import config  # noqa: E402
+from shoal.comm.security import dashboard_token  # noqa: E402
 from shoal.dashboard import server as dashboard_server  # noqa: E402
 from shoal.dashboard import parse_dashboard_address  # noqa: E402
 from shoal.dashboard.pages import PAGES, SCRIPTS  # noqa: E402
@@ -35,6 +40,11 @@ from shoal_helpers import free_port, start_scheduler, start_worker  # noqa: E402
 
 #: how long a condition of a test may take to come true
 DEADLINE = 20.0
+#: the secret of every cluster of this module, and the header that logs a request in
+SECRET = "dashboard-http-tests-secret"
+SECURITY = shoal.Security(SECRET)
+TOKEN = dashboard_token(SECRET.encode())
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def inc(x: int) -> int:
@@ -54,8 +64,8 @@ def size(b: bytes) -> int:
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
-    """``(status, content type, body)`` of a GET (an error status too)."""
-    request = urllib.request.Request(url, headers=headers or {})
+    """``(status, content type, body)`` of a GET (an error status too), logged in."""
+    request = urllib.request.Request(url, headers={**AUTH, **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=10) as r:
             return r.status, r.headers.get("Content-Type", ""), r.read()
@@ -95,7 +105,8 @@ class Events:
     """The server-sent events of ``url``, read in this thread (``next_update()``)."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> None:
-        self.response = urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout)
+        self.response = urllib.request.urlopen(urllib.request.Request(url, headers={**AUTH, **(headers or {})}),
+                                               timeout=timeout)
         self.lines: list[str] = []
 
     def next_event(self) -> dict[str, str] | None:
@@ -133,7 +144,7 @@ def fast_updates() -> Iterator[None]:
 
 @pytest.fixture
 def cluster(fast_updates: None) -> Iterator[shoal.LocalCluster]:
-    with shoal.LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0") as c:
+    with shoal.LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0", security=SECURITY) as c:
         yield c
 
 
@@ -144,8 +155,11 @@ def client(cluster: shoal.LocalCluster) -> Iterator[shoal.Client]:
 
 
 def base_of(link: str | None) -> str:
-    assert link and link.endswith("/status"), link
-    return link[: -len("/status")]
+    """The dashboard's root URL, from its link (with or without the token)."""
+    assert link, link
+    page = link.partition("?")[0]
+    assert page.endswith("/status"), link
+    return page[: -len("/status")]
 
 
 # -- addresses
@@ -170,10 +184,13 @@ def test_bad_dashboard_addresses_are_refused(text):
 
 def test_dashboard_link_of_cluster_client_and_scheduler(cluster, client):
     link = cluster.dashboard_link
-    assert link is not None and link.startswith("http://127.0.0.1:") and link.endswith("/status")
+    assert link is not None and link.startswith("http://127.0.0.1:") and link.endswith(f"/status?token={TOKEN}")
     assert client.dashboard_link == link
-    assert cluster.scheduler.dashboard_link == link
-    assert client.scheduler_info()["dashboard"] == link
+    # the scheduler's link, which goes to every client, has no token: each client adds
+    # the one of its own secret
+    bare = link.partition("?")[0]
+    assert cluster.scheduler.dashboard_link == bare
+    assert client.scheduler_info()["dashboard"] == bare
     # a client given the scheduler's address (no cluster object) hears it from the scheduler
     with shoal.Client(cluster.scheduler_address) as by_address:
         assert by_address.cluster is None
@@ -182,7 +199,7 @@ def test_dashboard_link_of_cluster_client_and_scheduler(cluster, client):
 
 
 def test_local_cluster_serves_on_8790_of_its_host_by_default():
-    with shoal.LocalCluster(n_workers=0, processes=False) as c:
+    with shoal.LocalCluster(n_workers=0, processes=False, security=SECURITY) as c:
         assert c.dashboard_address == ":8790"
         host, _, port = base_of(c.dashboard_link).removeprefix("http://").rpartition(":")
         assert host == "127.0.0.1"
@@ -206,7 +223,8 @@ def test_a_taken_port_falls_back_to_a_free_one(fast_updates, caplog):
         taken.listen()
         port = taken.getsockname()[1]
         with caplog.at_level(logging.INFO, logger="shoal.dashboard"):
-            with shoal.LocalCluster(n_workers=0, processes=False, dashboard_address=f"127.0.0.1:{port}") as c:
+            with shoal.LocalCluster(n_workers=0, processes=False, dashboard_address=f"127.0.0.1:{port}",
+                                    security=SECURITY) as c:
                 link = c.dashboard_link
                 assert link is not None and f":{port}/" not in link
                 assert get(base_of(link) + "/health")[::2] == (200, b"ok")
@@ -241,11 +259,12 @@ def test_without_aiohttp_the_cluster_runs_without_a_dashboard():
 def test_without_prometheus_client_there_is_no_metrics_endpoint():
     out = run_without("prometheus_client", (
         "import urllib.request, urllib.error\n"
-        "with shoal.LocalCluster(n_workers=0, processes=False, dashboard_address='127.0.0.1:0') as c:\n"
+        f"with shoal.LocalCluster(n_workers=0, processes=False, dashboard_address='127.0.0.1:0',\n"
+        f"                        security=shoal.Security({SECRET!r})) as c:\n"
         "    base = c.dashboard_link.rsplit('/', 1)[0]\n"
         "    print(urllib.request.urlopen(base + '/health').read().decode())\n"
         "    try:\n"
-        "        urllib.request.urlopen(base + '/metrics')\n"
+        f"        urllib.request.urlopen(urllib.request.Request(base + '/metrics', headers={AUTH!r}))\n"
         "    except urllib.error.HTTPError as e:\n"
         "        with e:\n"
         "            print(e.code)\n"
@@ -260,7 +279,7 @@ def test_without_prometheus_client_there_is_no_metrics_endpoint():
 def test_pages_static_files_and_health(cluster):
     base = base_of(cluster.dashboard_link)
     assert get(base + "/health") == (200, "text/plain; charset=utf-8", b"ok")
-    with urllib.request.urlopen(base + "/", timeout=10) as r:  # a redirect to the status page
+    with urllib.request.urlopen(urllib.request.Request(base + "/", headers=AUTH), timeout=10) as r:  # a redirect
         assert r.url == base + "/status"
     for page in PAGES:  # each a whole document: the shell, its own part, its scripts
         status, kind, body = get(f"{base}/{page}")
@@ -385,7 +404,8 @@ def test_a_large_answer_is_sent_a_chunk_at_a_time(cluster, client, monkeypatch):
 
 def test_records_older_than_the_buffer_are_gone(fast_updates):
     with config.set(dashboard_task_stream_size=10), \
-            shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
+            shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
+                               security=SECURITY) as cluster, \
             shoal.Client(cluster) as client:
         futures = client.map(inc, range(25))
         client.gather(futures)
@@ -412,7 +432,7 @@ def test_unknown_things_are_a_404_in_json(cluster):
         status, kind, body = get(base + query)
         assert status == 404 and kind.startswith("application/json"), (query, status)
         assert "error" in json.loads(body)
-    request = urllib.request.Request(base + "summary", data=b"{}", method="POST")
+    request = urllib.request.Request(base + "summary", data=b"{}", method="POST", headers=AUTH)
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
     with info.value as e:
@@ -497,7 +517,8 @@ def test_tasks_done_counts_what_ran_between_two_scrapes(cluster, client):
 
 def test_two_schedulers_of_one_process_have_their_own_metrics(cluster, client, fast_updates):
     client.gather(client.map(inc, range(3)))
-    with shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as other:
+    with shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0",
+                            security=SECURITY) as other:
         m = metrics(base_of(other.dashboard_link))
         assert m[("shoal_workers", ())] == 1 and m[("shoal_task_stream_records_total", ())] == 0
     assert metrics(base_of(cluster.dashboard_link))[("shoal_task_stream_records_total", ())] == 3
@@ -562,7 +583,7 @@ def test_updates_come_every_interval(cluster):
 
 
 def test_closing_the_cluster_ends_an_open_event_stream(fast_updates):
-    cluster = shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0")
+    cluster = shoal.LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0", security=SECURITY)
     try:
         events = Events(base_of(cluster.dashboard_link) + "/api/v1/events")
     except BaseException:
@@ -583,10 +604,10 @@ def test_closing_the_cluster_ends_an_open_event_stream(fast_updates):
 
 async def test_a_page_that_goes_away_ends_its_stream(fast_updates):
     async with shoal.LocalCluster(n_workers=1, processes=False, asynchronous=True,
-                                  dashboard_address="127.0.0.1:0") as cluster:
+                                  dashboard_address="127.0.0.1:0", security=SECURITY) as cluster:
         base = base_of(cluster.dashboard_link)
         dashboard = cluster.scheduler.dashboard
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=AUTH) as session:
             for _ in range(3):
                 async with session.get(base + "/api/v1/events") as r:
                     assert r.status == 200
@@ -613,9 +634,9 @@ def _dashboard_line(sched) -> str:
 
 
 def test_cli_scheduler_serves_a_dashboard(processes):
-    sched, address = start_scheduler(processes, "--dashboard-address", "127.0.0.1:0")
+    sched, address = start_scheduler(processes, "--dashboard-address", "127.0.0.1:0", env={"SHOAL_AUTH": SECRET})
     line = _dashboard_line(sched)
-    assert line.startswith("shoal dashboard at http://127.0.0.1:") and line.endswith("/status"), line
+    assert line.startswith("shoal dashboard at http://127.0.0.1:") and line.endswith(f"/status?token={TOKEN}"), line
     link = line.split()[-1]
     base = base_of(link)
     env = {"SHOAL_HEARTBEAT_INTERVAL": "0.1"}
@@ -655,9 +676,9 @@ def test_cli_scheduler_without_a_dashboard(processes):
 
 def test_cli_dashboard_on_the_schedulers_host_by_default(processes):
     port = free_port()
-    sched, address = start_scheduler(processes, "--dashboard-address", f":{port}")
+    sched, address = start_scheduler(processes, "--dashboard-address", f":{port}", env={"SHOAL_AUTH": SECRET})
     line = _dashboard_line(sched)
-    assert line == f"shoal dashboard at http://127.0.0.1:{port}/status", line
+    assert line == f"shoal dashboard at http://127.0.0.1:{port}/status?token={TOKEN}", line
     assert get(base_of(line.split()[-1]) + "/health")[0] == 200
 
 

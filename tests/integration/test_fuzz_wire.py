@@ -43,7 +43,8 @@ from hypothesis import strategies as st
 
 import shoal
 from shoal.comm import security
-from shoal_helpers import frame_bytes, handshake_bytes, message_bytes, recv_frames
+from shoal_helpers import frame_bytes, handshake_bytes, message_bytes, recv_frames, start_session
+from shoal.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.filterwarnings("ignore:a task of .* MB of arguments:UserWarning")
 
@@ -557,7 +558,7 @@ def _send_canary_in_handshake(c: Cluster, step: int, entry: Oob | None, canary: 
     with ``entry`` None, as a bin field value)."""
     with raw(c.address) as sock:
         nonce = os.urandom(32)
-        hello = {"op": "handshake", "protocol": 4, "nonce": nonce, "auth": True}
+        hello = {"op": "handshake", "protocol": PROTOCOL_VERSION, "nonce": nonce, "auth": True}
         msgs = [hello]
         if step > 1:
             sock.sendall(message_bytes(hello))
@@ -568,7 +569,9 @@ def _send_canary_in_handshake(c: Cluster, step: int, entry: Oob | None, canary: 
             msgs.append(step2)
             if step > 2:
                 sock.sendall(message_bytes(step2))
-                recv_frames(sock)
+                (info,) = recv_frames(sock)
+                # step 3 carries the session's tag (docs/protocol.md §2.5)
+                start_session(sock, c.secret, [message_bytes(hello), message_bytes(step2)], [theirs, info])
                 msgs.append({"op": "handshake-shm", "can_map": False})
         bad = dict(msgs[-1])
         bad["x"] = entry if entry is not None else canary

@@ -276,14 +276,18 @@ def test_killed_js_worker_task_is_rescheduled_on_another(cluster: Cluster) -> No
         assert cluster.js[victim].wait(10) == -signal.SIGKILL
 
 
-def _garbage_after_handshake(address: str, secret: bytes | None, payload: bytes) -> bytes:
-    """Handshakes with ``address``, sends ``payload``, and returns what comes back
-    until the connection ends (the JS worker closes it)."""
+def _garbage_after_handshake(address: str, secret: bytes | None, payload: bytes | list[bytes]) -> bytes:
+    """Handshakes with ``address``, sends ``payload`` (bytes as they are, or frames as a
+    message with its session tag), and returns what comes back until the connection
+    ends (the JS worker closes it)."""
     conn = Connection(address, "test-garbage", secret=secret, reads="neutral")
     try:
         sock = conn.sock
-        sock.settimeout(30)
-        sock.sendall(payload)
+        if isinstance(payload, list):
+            send_frames(sock, payload, time.monotonic() + 30)
+        else:
+            sock.settimeout(30)
+            sock.sendall(payload)
         got = b""
         while True:
             try:
@@ -309,18 +313,22 @@ def test_malformed_bytes_cut_off_that_connection_only(cluster: Cluster) -> None:
         with Connection(here, "test-bystander", secret=secret, reads="neutral") as bystander:
             # zero frames; too many frames; a frame over the limit; a header that is no msgpack;
             # an ext type not allowed in a header; a table that does not match the frames
-            bad = [
+            # (those that are messages carry their session tags: the worker reads them);
+            # and a request whose tag is not the session's
+            request = encode({"op": "get-data", "reply": True, "keys": [held.key]})[0]
+            bad: list[bytes | list[bytes]] = [
                 struct.pack("<Q", 0),
                 struct.pack("<Q", 1 << 40),
                 struct.pack("<QQ", 1, 1 << 62),
-                struct.pack("<QQ", 1, 1) + b"\xc1",
-                struct.pack("<QQ", 1, 6) + b"\xd6\x05\x00\x00\x00\x00",
-                struct.pack("<QQQ", 2, 1, 2) + b"\x80" + b"\x91\x90",
+                [b"\xc1"],
+                [b"\xd6\x05\x00\x00\x00\x00"],
+                [b"\x80", b"\x91\x90"],
+                struct.pack("<QQ", 1, len(request)) + request + bytes(16),
             ]
             for payload in bad:
                 assert _garbage_after_handshake(here, secret, payload) == b"", payload
             # a request that is no map with an op: cut off too, without a reply
-            assert _garbage_after_handshake(here, secret, struct.pack("<QQ", 1, 1) + b"\x01") == b""
+            assert _garbage_after_handshake(here, secret, [b"\x01"]) == b""
             # the worker still serves on the connection that behaved, and runs tasks
             reply = bystander.call("get-data", keys=[held.key])
             assert reply["status"] == "OK"
@@ -460,7 +468,8 @@ def test_js_worker_against_a_scripted_scheduler(cluster: Cluster) -> None:
         listener.settimeout(30)
         sock, _ = listener.accept()
         with sock:
-            hs = handshake(sock, "scripted-scheduler", time.monotonic() + 10, secret=secret, connector=False)
+            hs = handshake(sock, "scripted-scheduler", time.monotonic() + 10, secret=secret, connector=False,
+                           role="scheduler")
             assert hs["peer"]["reads"] == "neutral" and "shm_probe" not in hs["peer"]
             assert hs["peer_maps_ours"] is False
             reg = decode(recv_frames(sock, time.monotonic() + 10))

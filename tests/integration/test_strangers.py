@@ -40,6 +40,7 @@ import shoal
 from shoal.comm import connect
 from shoal.comm.security import Security
 from shoal.errors import HandshakeError
+from shoal.protocol import PROTOCOL_VERSION
 from shoal.rpc import rpc
 from shoal.testing import wait_for
 from shoal_helpers import auth_files, free_port, read_line, stop_processes
@@ -124,7 +125,7 @@ class Flood:
 
     def __init__(self, targets: list[str], count: int, reconnect: bool = True, slow: float = 0.5):
         spec = {"targets": [[*_host_port(a), a.startswith("tls://")] for a in targets], "count": count,
-                "slow": slow, "reconnect": reconnect, "interval": 0.2}
+                "slow": slow, "reconnect": reconnect, "interval": 0.2, "protocol": PROTOCOL_VERSION}
         self.proc = subprocess.Popen([sys.executable, _FLOODER, json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
         try:

@@ -14,11 +14,12 @@ import shoal
 from shoal.comm.security import Security
 from shoal.scheduler.server import Scheduler
 from shoal_helpers import (
-    LoopThread,
     complete_handshake,
     frame_bytes,
     log_waiter,
+    LoopThread,
     message_bytes,
+    raw_socket,
     recv_frames,
     recv_until_closed,
 )
@@ -38,7 +39,7 @@ def scheduler():
 
 def _raw(sched: Scheduler, sec: Security) -> socket.socket:
     host, port = sched.address.removeprefix("tcp://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock = raw_socket(host, int(port), 10)
     try:
         complete_handshake(sock, sec.secret)
     except BaseException:
@@ -142,7 +143,7 @@ def test_tuples_nested_250_deep_on_the_wire_are_refused_not_a_crash(scheduler, h
     msg = msgpack.packb({"op": "who-has", "reply": True, "keys": [msgpack.ExtType(1, data)]})
     assert len(msg) < 1300
     host, port = sched.address.removeprefix("tcp://").rsplit(":", 1)
-    with log_waiter() as logs, socket.create_connection((host, int(port)), timeout=10) as sock:
+    with log_waiter() as logs, raw_socket(host, int(port), 10) as sock:
         if handshaken:
             complete_handshake(sock, sec.secret)
         sock.sendall(frame_bytes([msg]))

@@ -19,7 +19,7 @@ import pytest
 import shoal
 from shoal.comm import security
 from shoal.protocol import loads
-from shoal_helpers import frame_bytes, message_bytes, recv_frames
+from shoal_helpers import complete_handshake, frame_bytes, message_bytes, recv_frames
 from wire_peers import (
     DEADLINE,
     Cluster,
@@ -160,15 +160,7 @@ def test_a_peer_cannot_take_a_worker_s_segment_over_by_claiming_its_pid(own_clus
             token = f.read(64)[len(b"SHOALSEG"):].rstrip(b"\0").decode()
         size = os.path.getsize(os.path.join(shm.SHM_DIR, name))
         with raw(c.address) as sock:
-            nonce = os.urandom(32)
-            sock.sendall(message_bytes({"op": "handshake", "protocol": 4, "nonce": nonce, "auth": True}))
-            theirs = msgpack.unpackb(recv_frames(sock)[0])["nonce"]
-            sock.sendall(message_bytes({"op": "handshake-auth", "proof": security.proof(c.secret, b"connector", nonce,
-                                                                                         theirs),
-                                        "pid": c.worker.pid, "host": "far-away"}))  # "I am the worker"
-            recv_frames(sock)
-            sock.sendall(message_bytes({"op": "handshake-shm", "can_map": False}))
-            recv_frames(sock)
+            complete_handshake(sock, c.secret, pid=c.worker.pid, host="far-away")  # "I am the worker"
             entry = Oob("shoal.same-host", {"refs": [[name, size, 4096, 8, 1, token]]}, [pickle.dumps(None)], True, [1])
             sock.sendall(frame_bytes(encode({"op": "who-has", "reply": True, "keys": [], "x": entry})))
             assert read_response(sock) is not None

@@ -21,7 +21,7 @@ import msgpack
 from shoal.comm import security
 from shoal.errors import ProtocolError
 from shoal.protocol import loads
-from shoal_helpers import auth_files, complete_handshake, frame_bytes, recv_frames, stop_processes
+from shoal_helpers import auth_files, complete_handshake, frame_bytes, raw_socket, recv_frames, stop_processes
 
 #: how long a peer may take to answer (or close) once a connection's input is sent
 DEADLINE = 15.0
@@ -99,7 +99,7 @@ def _hostport(address: str) -> tuple[str, int]:
 @contextlib.contextmanager
 def raw(address: str, secret: bytes | None = None) -> Iterator[socket.socket]:
     """A blocking socket to ``address``; handshaken with ``secret`` unless it is None."""
-    sock = socket.create_connection(_hostport(address), timeout=DEADLINE)
+    sock = raw_socket(*_hostport(address), DEADLINE)
     try:
         if secret is not None:
             complete_handshake(sock, secret)

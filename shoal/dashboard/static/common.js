@@ -123,6 +123,10 @@
     if (!response.ok) {
       const error = new Error((body && body.error) || response.status + " " + response.statusText);
       error.status = response.status;
+      // (a viewer of an open dashboard who has not logged in is told so in the nav bar already)
+      if (response.status === 401 && !document.getElementById("anonymous")) {
+        setConnection("logged out: open the dashboard's link again", "lost");
+      }
       throw error;
     }
     return body;

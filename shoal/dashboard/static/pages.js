@@ -188,8 +188,10 @@
       const mine = ++asked;
       if (!text) { results.replaceChildren(); return []; }
       let found = [];
-      try { found = await getJSON("api/v1/search?q=" + encodeURIComponent(text)); } catch (e) { found = []; }
+      let refused = null;
+      try { found = await getJSON("api/v1/search?q=" + encodeURIComponent(text)); } catch (e) { found = []; refused = e.status === 401 ? e.message : null; }
       if (mine !== asked) return found;
+      if (refused) { results.replaceChildren(el("li", { class: "muted", text: refused })); return found; }
       results.replaceChildren(...(found.length ? found.map((k) => el("li", {}, [taskLink(k)]))
         : [el("li", { class: "muted", text: "no task key holds \u201c" + text + "\u201d" })]));
       return found;
@@ -222,6 +224,10 @@
         if (e.status === 404) { // asked no more: a forgotten key does not come back
           document.getElementById("task").replaceChildren(el("p", { class: "notice", id: "task-missing",
             text: "The scheduler knows no task " + key + " (it may have been forgotten)." }));
+          return;
+        } else if (e.status === 401 || e.status === 403) { // not logged in: asked no more either
+          document.getElementById("task").replaceChildren(el("p", { class: "notice", id: "task-login",
+            text: e.message }));
           return;
         } else {
           setConnection("no answer: " + e.message, "lost");

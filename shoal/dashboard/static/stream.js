@@ -178,13 +178,20 @@
     const many = p.value[4] > 1 ? "<br>" + formatSeconds((p.value[2] - p.value[1]) / 1000) + ", narrower than a pixel each: click to zoom in" : "";
     if (p.seriesName === "tasks") {
       if (many) return "<b>" + plural(p.value[4], "task", "tasks") + " " + escapeHtml(r.prefix) + "</b><br>" + escapeHtml(rowName(r.worker, r.thread)) + many;
-      return "<b>" + escapeHtml(r.key) + "</b><br>" + escapeHtml(rowName(r.worker, r.thread)) + "<br>" +
+      return "<b>" + escapeHtml(keyText(r)) + "</b><br>" + escapeHtml(rowName(r.worker, r.thread)) + "<br>" +
         formatSeconds(r.stop - r.start) + (r.status !== "OK" ? ' <span style="color:' + ERROR_COLOR + '">erred</span>' : "");
     }
     if (many) return escapeHtml(p.seriesName) + ": <b>" + plural(p.value[4], "transfer", "transfers") + "</b>" + many;
     const t = r.transfers[p.value[5]];
-    return escapeHtml(p.seriesName) + ": <b>" + escapeHtml(t.key) + "</b><br>" + formatBytes(t.bytes) + " from " +
-      escapeHtml(t.from) + " in " + formatSeconds(t.stop - t.start) + "<br>for " + escapeHtml(r.key);
+    return escapeHtml(p.seriesName) + ": <b>" + escapeHtml(keyText(t)) + "</b><br>" + formatBytes(t.bytes) + " from " +
+      escapeHtml(t.from) + " in " + formatSeconds(t.stop - t.start) + "<br>for " + escapeHtml(keyText(r));
+  }
+
+  // a record's key, or what stands for it where the server hides keys (a viewer who
+  // has not logged in to an open dashboard gets records whose key is null)
+  function keyText(r) {
+    if (r.key !== null && r.key !== undefined) return r.key;
+    return (r.prefix ? "a task of " + r.prefix : "an input") + " (log in to see its key)";
   }
 
   function enableStreamClicks() {
@@ -198,7 +205,7 @@
       }
       if (p.seriesName !== "tasks" || !stream.clickable) return;
       const r = stream.drawn[p.value[3]];
-      if (r) window.location.href = "task?key=" + encodeURIComponent(r.key);
+      if (r && r.key !== null && r.key !== undefined) window.location.href = "task?key=" + encodeURIComponent(r.key);
     });
     c.on("datazoom", () => {
       // what is in view changed: redraw soon, merging runs for the new scale

@@ -3,6 +3,7 @@
 // of frames) within the limits of §2.2 and writes each message's bytes contiguously.
 // Bad input aborts that connection only (§2.3): it is logged and the socket destroyed.
 
+const crypto = require("node:crypto");
 const net = require("node:net");
 const { constants: bufferConstants } = require("node:buffer");
 
@@ -24,8 +25,47 @@ const LIMITS = {
   idleTimeout: envInt("SHOAL_IDLE_TIMEOUT", 300) * 1000,
 };
 
-/** Before the handshake is done: one frame of at most 4096 bytes, three messages (§3). */
-const STRANGER = { maxFrames: 1, maxFrameBytes: 4096, maxMessages: 3 };
+/**
+ * Before the handshake is done: one frame of at most 4096 bytes, two messages (§3);
+ * the third (step 3) is read once the session, if any, is set up.
+ */
+const STRANGER = { maxFrames: 1, maxFrameBytes: 4096, maxMessages: 2 };
+
+const TAG_BYTES = 16;
+const LARGE_FRAME = 65536;
+const TAG_PIECE = 1 << 20;
+
+/**
+ * The tags of one direction of a connection with a session (§2.5): HMAC-SHA256 under
+ * the direction's key over the sequence number and the message as tagged (a frame of
+ * 64 KiB or more enters as the SHA-256 of its 1 MiB pieces' SHA-256s), cut to 16 bytes.
+ */
+class Tagger {
+  constructor(key) {
+    this.key = key;
+    this.seq = 0n;
+  }
+
+  tag(head, frames) {
+    const h = crypto.createHmac("sha256", this.key);
+    const seq = Buffer.allocUnsafe(8);
+    seq.writeBigUInt64LE(this.seq++, 0);
+    h.update(seq);
+    h.update(head);
+    for (const f of frames) {
+      const bytes = Buffer.from(f.buffer, f.byteOffset, f.byteLength);
+      if (bytes.length < LARGE_FRAME) {
+        h.update(bytes);
+        continue;
+      }
+      const pieces = [];
+      for (let i = 0; i < bytes.length; i += TAG_PIECE)
+        pieces.push(crypto.createHash("sha256").update(bytes.subarray(i, i + TAG_PIECE)).digest());
+      h.update(crypto.createHash("sha256").update(Buffer.concat(pieces)).digest());
+    }
+    return h.digest().subarray(0, TAG_BYTES);
+  }
+}
 
 class ConnClosed extends Error {
   get name() {
@@ -55,6 +95,9 @@ class FrameParser {
     this.filled = 0;
     this.stranger = true;
     this.strangerMessages = 0;
+    this.strangerMost = STRANGER.maxMessages;
+    this.head = null; // the count and lengths of the message coming in
+    this.tagger = null; // the session's, for what the peer sends (§2.5)
   }
 
   /** Whether a message has started and not ended. */
@@ -92,17 +135,20 @@ class FrameParser {
     for (;;) {
       if (this.stage === "count") {
         // nothing after a stranger's three handshake messages is read until it is trusted
-        if (this.stranger && this.strangerMessages >= STRANGER.maxMessages) return;
+        if (this.stranger && this.strangerMessages >= this.strangerMost) return;
         if (this.buffered < 8) return;
-        const n = this.take(8).readBigUInt64LE(0);
+        const count = this.take(8);
+        const n = count.readBigUInt64LE(0);
         const most = this.stranger ? STRANGER.maxFrames : LIMITS.maxFrames;
         if (n === 0n || n > BigInt(most)) throw new Error(`message announces ${n} frames (1 to ${most})`);
         this.n = Number(n);
+        this.head = count;
         this.stage = "lengths";
       }
       if (this.stage === "lengths") {
         if (this.buffered < 8 * this.n) return;
         const raw = this.take(8 * this.n);
+        this.head = Buffer.concat([this.head, raw]);
         const most = this.stranger ? STRANGER.maxFrameBytes : LIMITS.maxFrameBytes;
         const lengths = [];
         let total = 0n;
@@ -149,6 +195,15 @@ class FrameParser {
           this.frames.push(this.current);
           this.current = null;
         }
+        if (this.tagger !== null) this.stage = "tag";
+      }
+      if (this.stage === "tag") {
+        if (this.buffered < TAG_BYTES) return;
+        const got = this.take(TAG_BYTES);
+        if (!crypto.timingSafeEqual(got, this.tagger.tag(this.head, this.frames)))
+          throw new Error("a message does not match its session tag (changed on its way, or not from the peer)");
+      }
+      {
         const frames = this.frames;
         this.stage = "count";
         this.frames = null;
@@ -170,6 +225,7 @@ class Conn {
     this.closed = false;
     this.error = null;
     this.partialTimer = null;
+    this.sendTagger = null; // the session's, for what we send (§2.5)
     this.parser = new FrameParser(
       (frames) => this.deliver(frames),
       (err) => this.abort(err.message),
@@ -187,6 +243,20 @@ class Conn {
       if (this.parser.midMessage) log(`${this.label}: peer closed in the middle of a message`);
       socket.end();
     });
+  }
+
+  /**
+   * Steps 1 and 2 are done: from step 3 on, messages carry tags under `keys`
+   * ({send, receive}, or null without a session), and the step-3 message is read.
+   */
+  startSession(keys) {
+    if (keys) {
+      this.sendTagger = new Tagger(keys.send);
+      this.parser.tagger = new Tagger(keys.receive);
+    }
+    this.parser.strangerMost = STRANGER.maxMessages + 1;
+    this.parser.push(Buffer.alloc(0));
+    this.socket.resume();
   }
 
   /** The handshake is done: ordinary limits from now on. */
@@ -250,6 +320,7 @@ class Conn {
     this.socket.cork();
     this.socket.write(head);
     for (const f of frames) if (f.byteLength) this.socket.write(f);
+    if (this.sendTagger) this.socket.write(this.sendTagger.tag(head, frames));
     this.socket.uncork();
   }
 
@@ -312,4 +383,4 @@ function connect(address, timeoutMs) {
   });
 }
 
-module.exports = { Conn, ConnClosed, LIMITS, MB, connect, formatAddress, log, parseAddress };
+module.exports = { Conn, ConnClosed, LIMITS, MB, Tagger, connect, formatAddress, log, parseAddress };

@@ -11,7 +11,7 @@ const path = require("node:path");
 const { decodeStranger, encodeMessage } = require("./codec");
 const { parseAddress } = require("./conn");
 
-const PROTOCOL = 4;
+const PROTOCOL = 5;
 const STEP_TIMEOUT = 10_000; // §3: 10 s per read
 
 class HandshakeError extends Error {
@@ -67,10 +67,28 @@ function proofOf(secret, role, nonceC, nonceA) {
     .digest();
 }
 
-async function step(conn, op) {
+/** §2.5: the keys of both directions, from the secret and steps 1 and 2's bytes. */
+function sessionKeys(secret, transcript, connector) {
+  const hmac = (key, data) => crypto.createHmac("sha256", key).update(data).digest();
+  const digest = crypto.createHash("sha256").update(Buffer.concat(transcript.flatMap(lengthThen))).digest();
+  const prk = hmac(secret, Buffer.concat([Buffer.from("shoal-session-1|"), digest]));
+  const byConnector = hmac(prk, Buffer.from("connector"));
+  const byAcceptor = hmac(prk, Buffer.from("acceptor"));
+  return connector ? { send: byConnector, receive: byAcceptor } : { send: byAcceptor, receive: byConnector };
+}
+
+function lengthThen(bytes) {
+  const n = Buffer.allocUnsafe(8);
+  n.writeBigUInt64LE(BigInt(bytes.length), 0);
+  return [n, Buffer.from(bytes)];
+}
+
+async function step(conn, op, raw = null) {
   let msg;
   try {
-    msg = decodeStranger(await conn.recv(STEP_TIMEOUT));
+    const frames = await conn.recv(STEP_TIMEOUT);
+    if (raw) raw.push(frames[0]);
+    msg = decodeStranger(frames);
   } catch (err) {
     conn.close();
     throw new HandshakeError(`handshake with ${conn.label}: ${err.message}`);
@@ -96,14 +114,23 @@ function refuse(conn, reason) {
 }
 
 /**
- * All three steps on `conn`, as the end that opened it (`connector`) or accepted it.
- * Resolves once done (the connection then has ordinary limits); rejects with
- * HandshakeError, the connection closed.
+ * All three steps on `conn`, as the end that opened it (`connector`) or accepted it;
+ * with a secret, the session's tags (§2.5) from step 3 on. `expect`: the role the
+ * peer must say it is ("scheduler" when we dial ours). Resolves once done (the
+ * connection then has ordinary limits); rejects with HandshakeError, the connection
+ * closed.
  */
-async function handshake(conn, { secret, connector, host }) {
+async function handshake(conn, { secret, connector, host, expect = null }) {
   const nonce = crypto.randomBytes(32);
-  conn.send(encodeMessage({ op: "handshake", protocol: PROTOCOL, nonce, auth: secret !== null }));
-  const hello = await step(conn, "handshake");
+  const sent = [];
+  const got = [];
+  const send = (msg) => {
+    const frames = encodeMessage(msg);
+    sent.push(frames[0]);
+    conn.send(frames);
+  };
+  send({ op: "handshake", protocol: PROTOCOL, nonce, auth: secret !== null });
+  const hello = await step(conn, "handshake", got);
   if (hello.protocol !== PROTOCOL)
     refuse(conn, `protocol ${hello.protocol} is not ${PROTOCOL} (this end speaks ${PROTOCOL})`);
   if (!(hello.nonce instanceof Uint8Array) || hello.nonce.length !== 32) refuse(conn, "the nonce is not 32 bytes");
@@ -118,19 +145,23 @@ async function handshake(conn, { secret, connector, host }) {
   const theirs = Buffer.from(hello.nonce);
   const [nonceC, nonceA] = connector ? [nonce, theirs] : [theirs, nonce];
   const proof = secret !== null ? proofOf(secret, connector ? "connector" : "acceptor", nonceC, nonceA) : null;
-  conn.send(encodeMessage({ op: "handshake-auth", proof, pid: process.pid, host, reads: "neutral" }));
-  const auth = await step(conn, "handshake-auth");
+  send({ op: "handshake-auth", proof, pid: process.pid, host, role: "worker", reads: "neutral" });
+  const auth = await step(conn, "handshake-auth", got);
   if (secret !== null) {
     const expected = proofOf(secret, connector ? "acceptor" : "connector", nonceC, nonceA);
-    const got = auth.proof instanceof Uint8Array ? Buffer.from(auth.proof) : Buffer.alloc(0);
-    if (got.length !== expected.length || !crypto.timingSafeEqual(got, expected)) {
+    const theirs = auth.proof instanceof Uint8Array ? Buffer.from(auth.proof) : Buffer.alloc(0);
+    if (theirs.length !== expected.length || !crypto.timingSafeEqual(theirs, expected)) {
       refuse(conn, "authentication failed: wrong proof of the cluster's secret");
     }
   }
+  const transcript = connector ? [sent[0], got[0], sent[1], got[1]] : [got[0], sent[0], got[1], sent[1]];
+  conn.startSession(secret !== null ? sessionKeys(secret, transcript, connector) : null);
+  if (expect !== null && auth.role !== expect)
+    refuse(conn, `this end meant to reach a ${expect} and the peer says it is ${JSON.stringify(auth.role)}`);
   conn.send(encodeMessage({ op: "handshake-shm", can_map: false }));
   await step(conn, "handshake-shm");
   conn.trusted();
   return auth;
 }
 
-module.exports = { HandshakeError, findSecret, handshake, hostIdentity, proofOf };
+module.exports = { HandshakeError, findSecret, handshake, hostIdentity, proofOf, sessionKeys };

@@ -62,7 +62,7 @@ class JsWorker {
   async start() {
     const stream = await connect(this.options.scheduler, CONNECT_TIMEOUT);
     stream.label = `scheduler ${this.options.scheduler}`;
-    await handshake(stream, { secret: this.secret, connector: true, host: this.host });
+    await handshake(stream, { secret: this.secret, connector: true, host: this.host, expect: "scheduler" });
     const listenHost = this.options.listenHost ?? stream.socket.localAddress;
     const port = await this.listen(listenHost);
     const advertised = listenHost === "0.0.0.0" || listenHost === "::" ? stream.socket.localAddress : listenHost;

@@ -6,8 +6,8 @@ const assert = require("node:assert/strict");
 const { test } = require("node:test");
 const codec = require("../lib/codec");
 const values = require("../lib/values");
-const { Conn } = require("../lib/conn");
-const { proofOf } = require("../lib/handshake");
+const { Conn, Tagger } = require("../lib/conn");
+const { proofOf, sessionKeys } = require("../lib/handshake");
 const { Encoder, ExtData } = require("@msgpack/msgpack");
 
 const hex = (s) => Buffer.from(s.replace(/\s+/g, ""), "hex");
@@ -55,6 +55,21 @@ test("§12.3: the handshake proof", () => {
     Buffer.from(codec.encodeMessage({ op: "handshake-shm", can_map: false })[0]),
     hex("82 a26f70 ad68616e647368616b652d73686d a763616e5f6d6170 c2"),
   );
+});
+
+test("§12.3, §2.5: the session's keys and the tag of step 3", () => {
+  const secret = Buffer.from("example-secret");
+  const hello = (nonce) => codec.encodeMessage({ op: "handshake", protocol: 5, nonce, auth: true })[0];
+  const auth = (side, pid, host, role) =>
+    codec.encodeMessage({ op: "handshake-auth", proof: proofOf(secret, side, range(0, 32), range(32, 64)), pid, host, role })[0];
+  const transcript = [hello(range(0, 32)), hello(range(32, 64)), auth("connector", 4242, "w1/", "worker"),
+    auth("acceptor", 1, "s/", "scheduler")];
+  assert.deepEqual(transcript.map((m) => m.length), [70, 70, 87, 87]);
+  const keys = sessionKeys(secret, transcript, true);
+  assert.equal(keys.send.toString("hex"), "c3d15a743e8cd26ea6173bf4b54eefa69021427fc2bebb134881fcbebe3af854");
+  const step3 = Buffer.from(codec.encodeMessage({ op: "handshake-shm", can_map: false })[0]);
+  const head = hex("0100000000000000 1b00000000000000");
+  assert.equal(new Tagger(keys.send).tag(head, [step3]).toString("hex"), "827c78cbfe8233e5dac7eaf2fdc37e69");
 });
 
 test("§2.3, §4: malformed headers and tables are refused", () => {
