@@ -71,6 +71,7 @@ async def test_a_relayed_handshake_reaches_only_the_role_it_was_meant_for():
         with relay(nanny.address) as r:
             with pytest.raises(HandshakeError, match=r"meant to reach a scheduler and the peer is a 'nanny'"):
                 await connect(r.address, security=sec, role="worker", expect="scheduler", timeout=10)
+            await asyncio.to_thread(r.join_pumps, 10)  # (all it was given has passed)
         assert counted.calls == []
         # the refusal went to the nanny tagged: the relay saw the reason, and could not
         # have forged it
