@@ -28,6 +28,11 @@ Ctrl-C at a terminal reaches the nanny, which stops the worker in order). Every
 More than ``nanny-max-restarts`` crashes within ``nanny-restart-window`` seconds and
 the nanny stops restarting: one line says so and it ends with exit code 1.
 
+A worker that cannot be started (no room on disk for its directory, no memory or
+process slots left: an ``OSError``) is not a crash of the worker: one line says why, and
+the nanny tries again, after 1 s, then twice as long each time up to
+:data:`SPAWN_RETRY_MAX` seconds, for as long as it runs.
+
 Each incarnation of the worker gets a fresh ``shoal-worker-*`` directory under the
 local directory (``--local-directory``, the ``local-directory`` setting
 (``SHOAL_LOCAL_DIRECTORY``), else the system's temporary directory), removed once it
@@ -71,6 +76,8 @@ logger = logging.getLogger("shoal.worker")
 #: the exit code of a worker process (under a nanny) that gave up for a reason a
 #: restart would not fix: no scheduler within its death timeout, a refused secret
 EXIT_GAVE_UP = 3
+#: the longest wait (seconds) between two tries to start a worker that could not start
+SPAWN_RETRY_MAX = 30.0
 #: seconds a worker asked to close (SIGTERM) may take before it is killed
 CLOSE_GRACE = 7.0
 
@@ -141,6 +148,11 @@ class Nanny:
         self._closing: asyncio.Future[None] | None = None
         self._finished: asyncio.Future[int] | None = None
         self._psutil: Any = None
+        #: a worker process that could not start: when to try again, how long to wait
+        #: after that, and the last reason said
+        self._retry_at: float | None = None
+        self._retry_delay = 1.0
+        self._spawn_error = ""
 
     @property
     def address(self) -> str:
@@ -197,9 +209,11 @@ class Nanny:
             self._busy = True
             try:
                 await self._stop_child(CLOSE_GRACE if timeout is None else max(float(timeout), 0.0))
-                self._spawn()
+                error = self._try_spawn()
             finally:
                 self._busy = False
+        if error is not None:
+            raise error  # (the watch keeps trying)
         return {"pid": self.pid}
 
     async def close(self, timeout: float = CLOSE_GRACE) -> None:
@@ -258,6 +272,27 @@ class Nanny:
         if self.on_spawn is not None:
             self.on_spawn(self.proc)
 
+    def _try_spawn(self) -> OSError | None:
+        """Start the worker process; when it cannot start now, say why (once per
+        reason), have the watch try again later, and return the error."""
+        try:
+            self._spawn()
+        except OSError as exc:
+            self.proc = None
+            loop = asyncio.get_running_loop()
+            self._retry_at = loop.time() + self._retry_delay
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._spawn_error:
+                self._spawn_error = text
+                who = f"worker {self.name}" if self.name else "the worker"
+                self.say(f"cannot start {who}: {text}; trying again every {self._retry_delay:g}-{SPAWN_RETRY_MAX:g}s")
+            self._retry_delay = min(self._retry_delay * 2, SPAWN_RETRY_MAX)
+            return exc
+        if self._spawn_error and self.proc is not None:
+            self.say(f"worker {self._who(self.proc)} started again")
+        self._retry_at, self._retry_delay, self._spawn_error = None, 1.0, ""
+        return None
+
     async def _stop_child(self, timeout: float) -> None:
         """Ask the child to close (SIGTERM), kill it after ``timeout`` seconds, and
         remove what it left."""
@@ -280,7 +315,11 @@ class Nanny:
             if self._security_source is not None:
                 self._refresh_security()
             p = self.proc
-            if self._busy or p is None:
+            if self._busy:
+                continue
+            if p is None:
+                if self._retry_at is not None and asyncio.get_running_loop().time() >= self._retry_at:
+                    self._try_spawn()
                 continue
             code = p.poll()
             if code is None:
@@ -309,7 +348,7 @@ class Nanny:
                 self.on_crash(p, code)
             else:
                 self.say(f"worker {self._who(p)} exited with code {code}; starting it again")
-            self._spawn()
+            self._try_spawn()
 
     async def _scheduler_there(self) -> bool:
         """Whether the scheduler answers (a worker that gave up on it while it is there

@@ -174,3 +174,32 @@ def test_a_nanny_gives_up_after_repeated_crashes():
         c.restart(timeout=60)
         assert cluster.workers["worker-0"].nanny is not nanny
         assert c.submit(inc, 1, pure=False).result(timeout=30) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_cannot_be_started_is_tried_again_until_it_can(tmp_path):
+    # the nanny's directory for its workers becomes a file (as a full disk makes
+    # mkdtemp fail): the killed worker cannot be started; the nanny says why once and
+    # keeps trying, and starts it as soon as the directory is back
+    base = tmp_path / "workers"
+    base.mkdir()
+    with shoal.LocalCluster(n_workers=1, local_directory=str(base)) as cluster, shoal.Client(cluster) as c:
+        handle = cluster.workers["worker-0"]
+        nanny = handle.nanny
+        pid = handle.pid
+        wait_for(lambda: pid in _worker_pids(c).values(), timeout=30, what="the worker to join")
+        base.rename(tmp_path / "away")
+        base.write_text("not a directory")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "cannot start the worker" in cluster.get_logs()["Cluster"]
+                 or "cannot start worker" in cluster.get_logs()["Cluster"], timeout=30,
+                 what="the nanny to say it cannot start the worker")
+        assert nanny.status == "running" and nanny.pid == 0
+        base.unlink()
+        base.mkdir()
+        wait_for(lambda: nanny.pid not in (0, pid), timeout=60, what="the nanny to start the worker again")
+        wait_for(lambda: nanny.pid in _worker_pids(c).values(), timeout=30, what="the new worker to join")
+        assert c.submit(inc, 1, pure=False).result(timeout=30) == 2
+        logs = cluster.get_logs()["Cluster"]
+        assert "NotADirectoryError" in logs and "started again" in logs
+        assert logs.count("cannot start") == 1  # said once, however many tries
