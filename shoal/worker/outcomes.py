@@ -14,6 +14,7 @@ from ..errors import (
     CommBrokenError,
     CommError,
     CorruptedDataError,
+    DeserializationError,
     HandshakeError,
     SerializationError,
     describe,
@@ -96,7 +97,8 @@ def may_pass(exc: BaseException) -> bool:
     """Whether a fetch that failed with ``exc`` may work if tried again soon: this
     process (or the peer, which then refuses the connection saying so, or drops it during
     its handshake) ran out of descriptors or memory, or the answer's bytes failed their
-    checksums on the way (the peer's copy is likely fine). Another refusal, a timeout
+    checksums on the way (the peer's copy is likely fine), or unpickling it met another
+    thread's half-done import (:func:`raised_while_importing`). Another refusal, a timeout
     (connecting waited already), a peer that broke off a request or a bad answer are not
     tried again."""
     if isinstance(exc, AuthenticationError):
@@ -105,6 +107,8 @@ def may_pass(exc: BaseException) -> bool:
         return True
     if isinstance(exc, CorruptedDataError):
         return True
+    if isinstance(exc, DeserializationError) and exc.__cause__ is not None and raised_while_importing(exc.__cause__):
+        return True  # the value's module was half imported by another thread: done by the next try
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:

@@ -5,6 +5,7 @@ is really missing still fails the task with the real error."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,3 +69,45 @@ def test_a_task_whose_import_fails_once_is_run_again(module_dir: Path) -> None:
         assert (module_dir / "imported-once").exists()
         with pytest.raises(ModuleNotFoundError, match="shoal_no_such_module_anywhere"):
             c.submit(_use_missing, pure=False).result(timeout=30)
+
+
+#: fails the first import in each process, as a half-initialized package does
+_FLAKY_PER_PROCESS = '''
+import os
+_marker = os.path.join(os.path.dirname(__file__), f"imported-in-{os.getpid()}")
+if not os.path.exists(_marker):
+    open(_marker, "w").close()
+    raise KeyError("dask")
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+'''
+
+
+def _make_box(n: int) -> object:
+    import shoal_flaky_box  # type: ignore[import-not-found]
+
+    return shoal_flaky_box.Box(list(range(n)))
+
+
+def _open_box(box: object) -> int:
+    return sum(box.value)  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_a_fetched_value_whose_import_fails_once_is_fetched_again(module_dir: Path, monkeypatch) -> None:
+    # the consumer's worker imports the value's module for the first time as it
+    # unpickles the fetched value, and that import fails once (in a worker just started,
+    # another thread's half-done import does this): the fetch is tried again, not failed
+    (module_dir / "shoal_flaky_box.py").write_text(_FLAKY_PER_PROCESS)
+    monkeypatch.setenv("PYTHONPATH", f"{module_dir}:{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("SHOAL_SHM", "0")  # the value crosses the socket, and is unpickled as it arrives
+    with shoal.LocalCluster(n_workers=2, dashboard_address=None) as cluster, shoal.Client(cluster) as c:
+        producer, consumer = sorted(c.scheduler_info()["workers"])
+        box = c.submit(_make_box, 100_000, workers=[producer], pure=False)
+        total = c.submit(_open_box, box, workers=[consumer], pure=False)
+        assert total.result(timeout=60) == sum(range(100_000))
+        pids = {w["pid"] for w in c.scheduler_info()["workers"].values()}
+    assert {f"imported-in-{pid}" for pid in pids} <= {p.name for p in module_dir.iterdir()}
