@@ -130,7 +130,8 @@ async def test_a_handshake_changed_on_its_way_fails_at_the_first_tag():
 async def test_nothing_after_the_handshake_can_be_said_changed_replayed_or_reordered(what):
     sec = Security.new()
     sched, counted = await _serving(sec, "scheduler")
-    forged = struct.pack("<QQ", 1, 0)  # (filled below)
+    frame = msgpack.packb({"op": "echo", "reply": True, "x": "stranger"})
+    forged = struct.pack("<QQ", 1, len(frame)) + frame
 
     def edit(direction: str, index: int, data: bytes) -> bytes:
         if direction != "up" or index < 3:
@@ -150,8 +151,6 @@ async def test_nothing_after_the_handshake_can_be_said_changed_replayed_or_reord
             return data + edit.held  # type: ignore[attr-defined]
         return data
 
-    frame = msgpack.packb({"op": "echo", "reply": True, "x": "stranger"})
-    forged = struct.pack("<QQ", 1, len(frame)) + frame
     try:
         with log_waiter() as logs, relay(sched.address, edit=edit) as r:
             comm = await connect(r.address, security=sec, role="client", expect="scheduler", timeout=10)
