@@ -29,8 +29,8 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["SessionKeys", "MessageMac", "session_keys", "chunk_digests", "frame_digest", "hash_pool",
-           "TAG_BYTES", "LARGE", "CHUNK"]
+__all__ = ["SessionKeys", "MessageMac", "session_keys", "chunk_digests", "frame_digest", "digest_now", "check",
+           "hash_pool", "TAG_BYTES", "LARGE", "CHUNK"]
 
 #: the tag that follows each message
 TAG_BYTES = 16
