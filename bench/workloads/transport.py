@@ -244,7 +244,9 @@ tcp_bandwidth = Workload(
     "first touch of memory is slow on the host side). shoal carries the session's tags "
     "(the cluster's secret: every message is authenticated, a large frame hashed in pieces "
     "off the loop); shoal_untagged is the same to a listener without a secret, and "
-    "without checksums: what the tags cost is shoal_tags_cost.",
+    "without checksums: what the tags cost is shoal_tags_cost. shoal_checksums is that "
+    "listener with xxh3 checksums (what --no-auth tcp carries): their cost is "
+    "shoal_checksums_cost.",
     metrics={
         "shoal": "GB/s",
         "plain_fresh": "GB/s",
@@ -254,6 +256,8 @@ tcp_bandwidth = Workload(
         "shoal_same_host": "GB/s",
         "shoal_untagged": "GB/s",
         "shoal_tags_cost": "x",
+        "shoal_checksums": "GB/s",
+        "shoal_checksums_cost": "x",
     },
     params={"mb": 512, "iters": 3, "loop": "auto", "prefault_mb": 1536, "cpus": "", "same_host": True},
     quick={"mb": 8, "iters": 1, "prefault_mb": 0},
@@ -355,7 +359,8 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
     nbytes = mb << 20
     gb = nbytes / 1e9
     out: dict[str, Any] = {}
-    variants = ["shoal", "shoal_untagged", "plain_fresh", "plain_warm"] + (["shoal_same_host"] if same_host else [])
+    variants = ["shoal", "shoal_untagged", "shoal_checksums", "plain_fresh", "plain_warm"]
+    variants += ["shoal_same_host"] if same_host else []
     results: dict[str, list[float]] = {name: [] for name in variants}
     if prefault_mb:
         # In a VM the first touch of guest memory also faults on the host, several
@@ -401,15 +406,16 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
                 else:
                     os.environ["SHOAL_SHM"] = old
 
-        async def connect_untagged() -> Any:
+        async def connect_untagged(checksums: int = 0) -> Any:
             from shoal import config
             from shoal.comm.security import Security
 
-            with config.set(wire_checksums=0):
+            with config.set(wire_checksums=checksums):
                 return await connect_tcp_only(helper.value["untagged"], security=Security.disabled())
 
         async def main() -> None:
-            comms = {"shoal": await connect_tcp_only(helper.value["shoal"]), "shoal_untagged": await connect_untagged()}
+            comms = {"shoal": await connect_tcp_only(helper.value["shoal"]), "shoal_untagged": await connect_untagged(),
+                     "shoal_checksums": await connect_untagged(checksums=1)}
             if same_host:
                 comms["shoal_same_host"] = await connect(helper.value["shoal"])
                 out["same_host_destination"] = comms["shoal_same_host"].destination
@@ -440,6 +446,7 @@ def _(mb: int, iters: int, loop: str, prefault_mb: int, cpus: str, same_host: bo
     out["shoal_vs_plain_fresh"] = median([s / p for s, p in zip(results["shoal"], results["plain_fresh"])])
     out["shoal_vs_plain_warm"] = median([s / p for s, p in zip(results["shoal"], results["plain_warm"])])
     out["shoal_tags_cost"] = median([u / s for s, u in zip(results["shoal"], results["shoal_untagged"])])
+    out["shoal_checksums_cost"] = median([u / c for c, u in zip(results["shoal_checksums"], results["shoal_untagged"])])
     out["loop"] = loop_name(loop)
     out["cpus"] = cpus or "unpinned"
     out["rounds"] = {k: [round(x, 3) for x in v] for k, v in results.items()}

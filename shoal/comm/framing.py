@@ -17,12 +17,14 @@ count or length over the limits, an allocation that fails) is a
 Checksums (when both ends said so in the handshake, :attr:`FrameProtocol.checksums`):
 every frame of :data:`CHECKSUM_MIN` bytes or more is followed, after the message's
 last frame, by its xxh3_64 in a trailer (``u64`` each, in frame order). Such a frame is
-received into its own buffer anyway; each piece of it is hashed as it lands, on the
-loop (measured ~15 GB/s: ~4 ms for 64 MB, a tenth of that frame's time over loopback,
-less over a real network; pieces capped to stay in cache hashed no faster). A message
-whose trailer does not match is not delivered: the reader gets a
-:class:`~shoal.errors.CorruptedDataError` for it instead, and the connection goes on
-(its framing is intact).
+received into its own buffer anyway. One under :data:`THREAD_HASH_MIN` is hashed on the
+loop as its pieces land (at ~15 GB/s, under half a millisecond: less than handing it to
+a thread costs); a larger one is hashed in the checksum thread, 4 MiB at a time as they
+land (xxh3 releases the GIL: the loop goes on reading, and the hash is done soon after
+the last byte), and its message waits in the queue until the reader takes it and the
+hash is done. A message whose trailer does not
+match is not delivered: the reader gets a :class:`~shoal.errors.CorruptedDataError` for
+it instead, and the connection goes on (its framing is intact).
 
 Session tags (when the handshake set up a session, :attr:`FrameProtocol.mac`: plain tcp
 between ends with the secret, :mod:`.session`): every message is followed by its tag,
@@ -43,6 +45,7 @@ import struct
 import termios
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
     from .tcp import TCPComm
 
 __all__ = ["FrameProtocol", "alloc_buffer", "STRANGER_MAX_BYTES", "HANDSHAKE_MESSAGES", "CHECKSUM_MIN",
-           "checksum_trailer", "UNTAGGED_MESSAGES"]
+           "checksum_trailer", "UNTAGGED_MESSAGES", "THREAD_HASH_MIN"]
 
 logger = logging.getLogger("shoal.comm.tcp")
 
@@ -74,6 +77,9 @@ _U64 = struct.Struct("<Q")
 #: frames at least this large carry a checksum when the connection has them (the ones
 #: received into their own buffers: _DIRECT)
 CHECKSUM_MIN = _DIRECT
+#: frames at least this large are hashed in the checksum thread, this much at a time
+THREAD_HASH_MIN = 8 << 20
+_HASH_STEP = 4 << 20
 
 
 def checksum_trailer(frames: list[Any]) -> bytes:
@@ -82,6 +88,55 @@ def checksum_trailer(frames: list[Any]) -> bytes:
     digests = [xxhash.xxh3_64_intdigest(f) for f in frames
                if (len(f) if type(f) is bytes else memoryview(f).nbytes) >= CHECKSUM_MIN]
     return struct.pack(f"<{len(digests)}Q", *digests) if digests else b""
+
+
+_checksum_thread: ThreadPoolExecutor | None = None
+
+
+def _checksums() -> ThreadPoolExecutor:
+    """The thread that hashes large frames' checksums (one: a frame's chunks are hashed
+    in order, and xxh3 is faster than any socket it serves)."""
+    global _checksum_thread
+    if _checksum_thread is None:
+        _checksum_thread = ThreadPoolExecutor(1, thread_name_prefix="shoal-checksum")
+    return _checksum_thread
+
+
+class _FrameHash:
+    """The xxh3_64 of a large frame coming in, hashed in the checksum thread a chunk at a
+    time as its bytes land."""
+
+    __slots__ = ("_hasher", "_view", "_fed")
+
+    def __init__(self, view: memoryview):
+        self._hasher = xxhash.xxh3_64()
+        self._view = view
+        self._fed = 0
+
+    def feed(self, upto: int) -> None:
+        """Hash the bytes landed by ``upto`` once they make whole steps."""
+        whole = upto - upto % _HASH_STEP
+        if whole > self._fed:
+            _checksums().submit(self._hasher.update, self._view[self._fed : whole])
+            self._fed = whole
+
+    def finish(self) -> Future[int]:
+        """The frame's digest, once the rest of it is hashed (the frame is all here)."""
+        pool = _checksums()
+        if self._fed < len(self._view):
+            pool.submit(self._hasher.update, self._view[self._fed :])
+        self._view = memoryview(b"")
+        return pool.submit(self._hasher.intdigest)
+
+
+class _Checksummed:
+    """Stands in the queue for a message whose large frames are still being hashed:
+    its checksums are compared when the reader takes it."""
+
+    __slots__ = ("frames", "lengths", "digests", "sent")
+
+    def __init__(self, frames: list[Any], lengths: list[int], digests: list[Any], sent: tuple[int, ...]):
+        self.frames, self.lengths, self.digests, self.sent = frames, lengths, digests, sent
 
 
 class _Tagged:
@@ -154,7 +209,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: the hash of the frame coming in, and those of the message's frames so far
         self.checksums = False
         self._hasher: Any = None
-        self._digests: list[int] = []
+        self._digests: list[Any] = []  # ints, or futures of the checksum thread
         #: the session's MAC of the peer's messages (set by the handshake), and the
         #: chunks of the message's large frames being hashed: {frame index: futures}
         self.mac: session.MessageMac | None = None
@@ -232,9 +287,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             if self._direct is not None:
-                if self._hasher is not None:  # the bytes just landed: in cache
-                    self._hasher.update(self._direct[self._direct_pos : self._direct_pos + nbytes])
+                hasher = self._hasher
+                if hasher is not None and type(hasher) is not _FrameHash:  # the bytes just landed: in cache
+                    hasher.update(self._direct[self._direct_pos : self._direct_pos + nbytes])
                 self._direct_pos += nbytes
+                if type(hasher) is _FrameHash:
+                    hasher.feed(self._direct_pos)
                 if self._chunked >= 0 and self._direct_pos - self._chunked >= session.CHUNK:
                     self._hash_chunks(self._direct_pos)
                 if self._direct_pos == len(self._direct):
@@ -436,6 +494,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     if self.mac is not None:
                         self._chunks[len(self._frames)] = []
                         self._chunked = 0
+                    elif self.checksums and need >= THREAD_HASH_MIN:
+                        self._hasher = _FrameHash(view)
+                        self._hasher.feed(take)
                     elif self.checksums:
                         self._hasher = xxhash.xxh3_64()
                         self._hasher.update(view[:take])
@@ -524,8 +585,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._lengths is None:
             self._set_lengths(list(struct.unpack_from(f"<{self._count}Q", block, 0)))
         elif len(self._frames) < self._count:
-            if self._hasher is not None:
-                self._digests.append(self._hasher.intdigest())
+            hasher = self._hasher
+            if hasher is not None:
+                self._digests.append(hasher.finish() if type(hasher) is _FrameHash else hasher.intdigest())
                 self._hasher = None
             chunks = self._chunks.get(len(self._frames))
             if chunks is not None:  # the chunks not yet hashed, the last one too
@@ -622,9 +684,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
         assert lengths is not None
         self._frames, self._lengths, self._count, self._digests = [], None, -1, []
         sent = struct.unpack_from(f"<{len(digests)}Q", data, 0)
-        if list(sent) == digests:
-            self._deliver(frames)
+        if any(type(d) is not int for d in digests):
+            self._deliver(_Checksummed(frames, lengths, digests, sent))  # compared when taken
             return
+        self._deliver(self._compare(frames, lengths, digests, sent))
+
+    def _compare(self, frames: list[Any], lengths: list[int], digests: list[int], sent: tuple[int, ...]) -> Any:
+        """``frames``, if their checksums are the ones sent; else a :class:`CorruptMessage`."""
+        if list(sent) == digests:
+            return frames
         large = [i for i, n in enumerate(lengths) if n >= CHECKSUM_MIN]
         bad = [(i, lengths[i]) for i, a, b in zip(large, digests, sent) if a != b]
         peer = self.comm.peer_address if self.comm else "?"
@@ -632,7 +700,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 f"{', '.join(f'{i} ({n:,} bytes)' for i, n in bad)} do not match their checksums; "
                 "it is dropped (the connection goes on)")
         logger.warning("%s", text)
-        self._deliver(CorruptMessage(text))
+        return CorruptMessage(text)
 
     def _deliver(self, frames: Any) -> None:
         if self._hold_after:
@@ -685,9 +753,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         if type(frames) is _Tagged:
             return await self._checked(frames)
+        if type(frames) is _Checksummed:
+            frames = await self._compared(frames)
         if type(frames) is CorruptMessage:
             raise CorruptedDataError(frames.text)
         return frames
+
+    async def _compared(self, message: _Checksummed) -> Any:
+        digests = [d if type(d) is int else await asyncio.wrap_future(d) for d in message.digests]
+        return self._compare(message.frames, message.lengths, digests, message.sent)
 
     async def _checked(self, tagged: _Tagged) -> list[Any]:
         for futures in tagged.chunks.values():

@@ -19,7 +19,7 @@ import pytest
 from shoal import config
 from shoal.comm import connect, listen
 from shoal.comm.security import Security
-from shoal.comm.framing import CHECKSUM_MIN, CorruptMessage, checksum_trailer
+from shoal.comm.framing import CHECKSUM_MIN, THREAD_HASH_MIN, CorruptMessage, _Checksummed, checksum_trailer
 from shoal.comm.tcp import _FrameProtocol
 from shoal.errors import CommError, CorruptedDataError, ProtocolError
 from shoal.protocol import to_serialize
@@ -232,13 +232,25 @@ def _checking() -> _FrameProtocol:
     return protocol
 
 
-@pytest.mark.parametrize("max_chunk", [13, 4096, 70_000, 1 << 20])
+def _taken(protocol: _FrameProtocol, message: object) -> object:
+    """A queued message as the reader takes it: one whose large frames are hashed in the
+    checksum thread is compared once they are."""
+    if type(message) is _Checksummed:
+        digests = [d if type(d) is int else d.result(30) for d in message.digests]
+        return protocol._compare(message.frames, message.lengths, digests, message.sent)
+    return message
+
+
+@pytest.mark.parametrize("max_chunk", [13, 4096, 70_000, 1 << 20, 5 << 20])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_with_checksums_any_chunking_gives_the_same_frames_and_catches_every_flip(max_chunk, seed):
     rng = random.Random(seed)
     msgs = _messages(rng, 40)
     if max_chunk < 1000:
         msgs = [[f[:100_000] for f in m] for m in msgs]
+    else:  # frames of THREAD_HASH_MIN or more are hashed in the checksum thread as they land
+        msgs += [[b"h", rng.randbytes(n)] for n in (THREAD_HASH_MIN, THREAD_HASH_MIN + 5, 9 << 20, 12 << 20)]
+        rng.shuffle(msgs)
     # every other message with a large frame is corrupted in one of its large frames
     sent: list[object] = []
     data = b""
@@ -255,11 +267,13 @@ def test_with_checksums_any_chunking_gives_the_same_frames_and_catches_every_fli
         _feed(protocol, data[pos : pos + piece], rng, max_chunk)
         pos += piece
         while protocol.messages:
-            m = protocol.messages.popleft()
-            got.append("corrupt" if isinstance(m, CorruptMessage) else [bytes(f) for f in m])
+            m = _taken(protocol, protocol.messages.popleft())
+            got.append("corrupt" if isinstance(m, CorruptMessage) else [bytes(f) for f in m])  # type: ignore[attr-defined]
     assert protocol.error is None
     assert got == sent
     assert "corrupt" in sent
+    if max_chunk > 1000:
+        assert any("corrupt" == g and max(map(len, m)) >= THREAD_HASH_MIN for g, m in zip(sent, msgs))
 
 
 def test_without_checksums_agreed_no_trailer_is_read_or_written():
@@ -301,19 +315,26 @@ async def test_a_message_corrupted_on_the_wire_is_a_clear_error_and_the_connecti
     loop = asyncio.get_running_loop()
     sock = await loop.run_in_executor(None, _raw_peer, listener.contact_address, True)
     try:
-        big = bytes(range(256)) * 1024  # 256 KiB, out of band (docs/protocol.md §4.2)
+        # 256 KiB (hashed on the loop) and 9 MiB (in the checksum thread), out of band
+        # (docs/protocol.md §4.2)
+        big, huge = bytes(range(256)) * 1024, bytes(range(256)) * 36 * 1024
         ref = msgpack.ExtType(2, (0).to_bytes(4, "little"))
-        good = [msgpack.packb({"op": "x", "data": ref}), msgpack.packb([["bytes", {"kind": "bytes"}, 1, False]]), big]
+        header = msgpack.packb([["bytes", {"kind": "bytes"}, 1, False]])
+        good = [msgpack.packb({"op": "x", "data": ref}), header, big]
+        large = [msgpack.packb({"op": "y", "data": ref}), header, huge]
         last = [msgpack.packb("last")]
-        data = _checked(good, flip=2) + _checked(good) + _checked(last)
+        data = (_checked(good, flip=2) + _checked(good) + _checked(large, flip=2) + _checked(large)
+                + _checked(last))
         await loop.run_in_executor(None, sock.sendall, data)
         await asyncio.wait_for(done.wait(), 10)
     finally:
         sock.close()
         listener.stop()
-    first, second, third = received
+    first, second, third, fourth, fifth = received
     assert isinstance(first, CorruptedDataError) and "frame(s) 2 (262,144 bytes)" in str(first)
-    assert second == {"op": "x", "data": big} and third == "last"
+    assert second == {"op": "x", "data": big}
+    assert isinstance(third, CorruptedDataError) and "frame(s) 2 (9,437,184 bytes)" in str(third)
+    assert fourth == {"op": "y", "data": huge} and fifth == "last"
 
 
 async def test_a_shoal_sender_puts_the_trailer_only_for_a_peer_that_offered_checksums():
