@@ -27,7 +27,7 @@ class PrefixGroup:
     what the dashboard's progress and graph show, without a walk over the tasks. It
     goes when all its tasks are forgotten."""
 
-    __slots__ = ("name", "states", "done", "size", "dependencies")
+    __slots__ = ("name", "states", "done", "size", "dependencies", "duration")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -39,6 +39,8 @@ class PrefixGroup:
         self.size = 0
         #: the prefixes of the inputs of its tasks
         self.dependencies: set[str] = set()
+        #: how long its tasks take, averaged over those that ran (seconds; 0: none yet)
+        self.duration = 0.0
 
     def __repr__(self) -> str:
         return f"<PrefixGroup {self.name} {self.done}/{self.size} done>"

@@ -3,7 +3,10 @@
 transitions). The theory of operation is in :mod:`shoal.scheduler.state`.
 
 A task goes to the worker with room holding most of its input bytes, then to the
-least busy worker with room. Nothing here walks every worker: the holders of its
+least busy worker with room. A holder without room still gets it when its inputs would
+take longer to move than the tasks ahead of it there take to run (:meth:`Placement.
+_worth_waiting`: a fan-out of cheap tasks over one large value, such as a shuffle's
+splits of one partition, stays where the value is). Nothing here walks every worker: the holders of its
 inputs are scored, and a :class:`~.model.RoomIndex` per language and per resource
 keeps the workers with room by load (:meth:`Placement._touch` keeps them up to date
 wherever a worker's load or room may change); a task naming workers (``workers=``)
@@ -19,10 +22,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from .model import Need, RoomIndex, TaskState, WorkerState
+from .model import Need, PrefixGroup, RoomIndex, TaskState, WorkerState
 from .transitions import TaskTransitions
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "WAIT_OVERFILL"]
 
 # the task durations the scheduler averages are clamped to this range (seconds)
 _MIN_DURATION, _MAX_DURATION = 1e-6, 1e6
@@ -35,6 +38,14 @@ _SIBLING_DEPENDENTS, _SIBLING_INPUTS = 4, 4
 #: task durations recorded between two changes of how many tasks a worker gets ahead
 #: (each change looks at every worker once)
 _AHEAD_EVERY = 100
+#: what moving a value to another worker is reckoned to cost: bytes per second (the
+#: copy, or the mapping, and the unpickling at the reader: the cost of a fetch that is
+#: not hidden behind other work), and a fixed cost per value (the request, the reply)
+_MOVE_BYTES_PER_SECOND = 200e6
+_MOVE_SECONDS = 1e-3
+#: a holder is given tasks beyond its room only while it holds fewer than this many
+#: times its room (a bound on what one decision can pile on one worker)
+WAIT_OVERFILL = 16
 
 
 class Placement(TaskTransitions):
@@ -69,11 +80,14 @@ class Placement(TaskTransitions):
             return self.ahead
         return max(self.ahead, min(self.max_ahead, int(self.refill_seconds / avg)))
 
-    def _record_duration(self, duration: float) -> None:
+    def _record_duration(self, duration: float, group: PrefixGroup | None = None) -> None:
         # a worker reports it: a tiny, huge or non-finite one must not reach the
         # division in _ahead_per_thread (int(inf) raised there for every placement)
         if duration > 0 and math.isfinite(duration):
             duration = min(max(duration, _MIN_DURATION), _MAX_DURATION)
+            if group is not None:
+                g = group.duration
+                group.duration = duration if g <= 0 else 0.8 * g + 0.2 * duration
             avg = self.average_duration
             self.average_duration = duration if avg <= 0 else 0.9 * avg + 0.1 * duration
             # a change of how far ahead workers are given tasks touches every worker:
@@ -211,7 +225,9 @@ class Placement(TaskTransitions):
                 local[ws] = local.get(ws, 0) + n
         if len(local) == 1:  # (inputs made together are held together)
             (ws,) = local
-            return ws if self._may_take(ts, ws) else None
+            if self._may_take(ts, ws):
+                return ws
+            return ws if self._worth_waiting(ts, ws, local[ws]) else None
         best: WorkerState | None = None
         best_score: tuple[float, float, str] | None = None
         for ws, n in local.items():
@@ -219,7 +235,41 @@ class Placement(TaskTransitions):
                 score = (-n, len(ws.processing) / ws.nthreads, ws.address)
                 if best_score is None or score < best_score:
                     best, best_score = ws, score
+        if best is None:
+            ws, n = max(local.items(), key=lambda item: (item[1], item[0].address))
+            if self._worth_waiting(ts, ws, n):
+                return ws
         return best
+
+    def _worth_waiting(self, ts: TaskState, ws: WorkerState, held: int) -> bool:
+        """Whether ``ts`` should wait at ``ws``, which holds ``held`` bytes of its inputs
+        and has no room: the tasks ahead of it there (their prefixes' average
+        durations, over its threads) end sooner than those bytes would move elsewhere.
+        Only once tasks of its prefix have run (their cost is known); never past
+        ``WAIT_OVERFILL`` times the room of ``ws``, nor to a worker that may not take
+        it."""
+        group = ts.group
+        if group is None or group.duration <= 0:
+            return False
+        if ws.paused or self.workers.get(ws.address) is not ws or ts.language not in ws.languages \
+                or not _has_resources(ts, ws):
+            return False
+        running = len(ws.processing) - len(ws.long_running)
+        if running >= WAIT_OVERFILL * ws.nthreads * (1 + self._ahead_now):
+            return False
+        move = _MOVE_SECONDS + held / _MOVE_BYTES_PER_SECOND
+        fallback = self.average_duration
+        wait = 0.0
+        budget = move * ws.nthreads
+        seceded = ws.long_running
+        for other in ws.processing:
+            if other in seceded:
+                continue  # (it holds no thread)
+            g = other.group
+            wait += g.duration if g is not None and g.duration > 0 else fallback
+            if wait >= budget:
+                return False
+        return True
 
     def _may_take(self, ts: TaskState, ws: WorkerState) -> bool:
         """Whether ``ws`` (an inputs' holder, a sibling's worker) may be sent ``ts``

@@ -68,7 +68,7 @@ class WorkerReports(Placement):
             if ts is not None:
                 self._disbelieve(ws, "task-finished", ts)
             return
-        self._record_duration(ev.duration)
+        self._record_duration(ev.duration, ts.group)
         ts.nbytes = ev.nbytes
         ts.shm = {ws.address: ev.shm} if ev.shm is not None else None
         ts.inline = ev.value

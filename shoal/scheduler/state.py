@@ -218,6 +218,9 @@ class SchedulerState(WorkerReports):
         self.queued_languages: dict[str, int] = {}
         #: the known tasks counted by key prefix and state (the dashboard's progress)
         self.groups: dict[str, PrefixGroup] = {}
+        #: the average durations of prefixes whose groups went (at most DURATIONS_KEPT,
+        #: the least recently gone dropped first)
+        self.durations: dict[str, float] = {}
         #: workers that do not run Python payloads (while there are none, a task's
         #: language need not be looked at when it is placed)
         self.non_python_workers = 0
@@ -291,6 +294,7 @@ class SchedulerState(WorkerReports):
         g = self.groups.get(name)
         if g is None:
             g = self.groups[name] = PrefixGroup(name)
+            g.duration = self.durations.get(name, 0.0)
         g.size += 1
         g.states[ts.state] += 1
         ts.group = g

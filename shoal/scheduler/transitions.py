@@ -16,12 +16,14 @@ from ..statelog import InvalidTransition, StateLog
 from .events import FIRE_AND_FORGET, ClientMsg, ComputeTask, FreeKeys, Instruction
 from .model import PrefixGroup, Queue, TaskState, TState, WorkerState, minus
 
-__all__ = ["TaskTransitions", "HOST_COPY_MIN_BYTES"]
+__all__ = ["TaskTransitions", "HOST_COPY_MIN_BYTES", "DURATIONS_KEPT"]
 
 #: values at least this large are kept for its host by a worker that fetched them from
 #: another (the worker's ``shoal.comm.shm_family.TRANSFER_MIN_BYTES``; this layer does
 #: no IO and imports no transport): such a value gets a fetcher per host
 HOST_COPY_MIN_BYTES = 1 << 20
+#: the prefixes whose average durations are remembered after their tasks went
+DURATIONS_KEPT = 4096
 
 
 class TaskTransitions:
@@ -35,6 +37,7 @@ class TaskTransitions:
     #: language -> how many of the queued tasks are of it
     queued_languages: dict[str, int]
     groups: dict[str, PrefixGroup]
+    durations: dict[str, float]
     done_total: int
     log: StateLog
     _stimulus: str
@@ -99,6 +102,12 @@ class TaskTransitions:
                 self.done_total += 1
             elif finish == "forgotten" and states["forgotten"] == g.size and self.groups.get(g.name) is g:
                 del self.groups[g.name]
+                if g.duration > 0:  # what its tasks took: the next graph's of that name start from it
+                    durations = self.durations
+                    durations.pop(g.name, None)
+                    durations[g.name] = g.duration
+                    if len(durations) > DURATIONS_KEPT:
+                        del durations[next(iter(durations))]
 
     def _transition(self, ts: TaskState, finish: str, *args: Any) -> dict[TaskState, str]:
         start = ts.state

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .model import FEW
+from .placement import WAIT_OVERFILL
 
 if TYPE_CHECKING:
     from .state import SchedulerState
@@ -104,8 +105,10 @@ def validate_state(state: SchedulerState) -> None:
     for ws in state.workers.values():
         # seceded (long-running) tasks hold no thread: the bound is on the others
         assert ws.long_running <= ws.processing, ws
-        # (inputs' holders and siblings may fill a worker up to twice its room)
-        assert len(ws.processing) - len(ws.long_running) <= 2 * ws.nthreads * (1 + max(state.ahead, state.max_ahead)), ws
+        # (inputs' holders and siblings may fill a worker up to twice its room, and the
+        # holder of a large input of cheap tasks up to WAIT_OVERFILL times it)
+        limit = WAIT_OVERFILL * ws.nthreads * (1 + max(state.ahead, state.max_ahead))
+        assert len(ws.processing) - len(ws.long_running) <= limit, ws
         for ts in ws.processing:
             assert ts.processing_on is ws and ts.state == "processing"
         for ts in ws.has_what:

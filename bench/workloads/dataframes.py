@@ -1,0 +1,234 @@
+"""dask.dataframe all-to-all workloads: the shuffles a dataframe user runs, on shoal and
+on dask.distributed (its P2P shuffle and its task shuffle, in the same child), 2 worker
+processes x 1 thread, loopback only.
+
+``df_shuffle``: a frame of ``rows`` rows in ``partitions`` partitions made on the
+workers (``dd.from_map``: an int key ``k`` with ``rows // 4`` distinct values, an int
+group ``g``, a float ``v``), then each operation in ``ops``:
+
+- ``shuffle``: ``df.shuffle("k")``;
+- ``merge``: ``df.merge(other, on="k")``, ``other`` a frame a quarter the size;
+- ``set_index``: ``df.set_index("k")``;
+- ``groupby``: ``df.groupby("k").sum(split_out=8)``.
+
+Each result is reduced on the workers to a line per output partition (rows, sum of
+``v``, distinct keys, smallest and largest key) that is checked against pandas in the
+child (the same frames made in one process): rows and sums agree, a key sits in one
+output partition only, ``set_index``'s partitions are sorted and do not overlap. The
+time is from ``compute()`` to the lines in hand; the peak is the largest sum of the
+resident memory of the worker processes (the child's children: both systems run their
+scheduler in the child) sampled every 20 ms during it. Median of ``rounds`` after one untimed round.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+from ..registry import Workload
+
+_perf = time.perf_counter
+
+OPS = ("shuffle", "merge", "set_index", "groupby")
+
+
+def _metrics(methods: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for op in OPS:
+        for method in methods:
+            out[f"{op}_{method}"] = "s"
+            out[f"{op}_{method}_peak_mb"] = "MB"
+    return out
+
+
+df_shuffle = Workload(
+    "df_shuffle",
+    "Seconds (and the worker processes' peak resident MB) for dask.dataframe shuffle('k'), "
+    "merge with a frame a quarter the size on 'k', set_index('k') and "
+    "groupby('k').sum(split_out=8) of `rows` rows in `partitions` partitions made on "
+    "2 worker processes x 1 thread; every result checked against pandas. shoal: the "
+    "method dask is given under a shoal client (`shoal`: tasks today); dask: its P2P "
+    "shuffle (`p2p`) and its task shuffle (`tasks`) on the same cluster. Median of "
+    "`rounds` after one untimed round.",
+    metrics=_metrics(("shoal", "p2p", "tasks")),
+    params={"rows": 8_000_000, "partitions": 32, "ops": ",".join(OPS), "rounds": 1},
+    quick={"rows": 200_000, "partitions": 8, "rounds": 1},
+    timeout=1800,
+)
+
+
+# -- the data (made on the workers; the same in one process for the check)
+
+def make_part(i: int, rows: int, keys: int, seed: int) -> Any:
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng([seed, i])
+    return pd.DataFrame({
+        "k": rng.integers(0, keys, rows, dtype=np.int64),
+        "g": rng.integers(0, 100, rows, dtype=np.int64),
+        "v": rng.random(rows),
+    })
+
+
+def summarize(part: Any, column: str | None = None) -> Any:
+    """One line of an output partition: rows, sum of v, distinct keys, the smallest and
+    largest key (of the index for ``column=None`` after set_index)."""
+    import pandas as pd
+
+    keys = part.index if column is None else part[column]
+    return pd.DataFrame({
+        "rows": [len(part)],
+        "v": [float(part["v"].sum()) if "v" in part else 0.0],
+        "distinct": [int(keys.nunique())],
+        "lo": [keys.min() if len(part) else -1],
+        "hi": [keys.max() if len(part) else -1],
+    })
+
+
+def _frames(dd: Any, rows: int, partitions: int) -> tuple[Any, Any]:
+    per = rows // partitions
+    keys = max(1, rows // 4)
+    left = dd.from_map(make_part, range(partitions), rows=per, keys=keys, seed=1)
+    right_parts = max(1, partitions // 4)
+    right = dd.from_map(make_part, range(right_parts), rows=per, keys=keys, seed=2)
+    right = right.rename(columns={"g": "g2", "v": "w"})
+    return left, right
+
+
+def _expected(rows: int, partitions: int) -> dict[str, dict[str, float]]:
+    """What each operation's lines must add up to, from pandas in this process."""
+    import pandas as pd
+
+    per = rows // partitions
+    keys = max(1, rows // 4)
+    left = pd.concat([make_part(i, per, keys, 1) for i in range(partitions)], ignore_index=True)
+    right = pd.concat([make_part(i, per, keys, 2) for i in range(max(1, partitions // 4))], ignore_index=True)
+    right = right.rename(columns={"g": "g2", "v": "w"})
+    merged = left.merge(right, on="k")
+    grouped = left.groupby("k").sum()
+    out = {
+        "shuffle": {"rows": len(left), "v": float(left["v"].sum()), "distinct": left["k"].nunique()},
+        "merge": {"rows": len(merged), "v": float(merged["v"].sum()), "distinct": merged["k"].nunique()},
+        "set_index": {"rows": len(left), "v": float(left["v"].sum()), "distinct": left["k"].nunique()},
+        "groupby": {"rows": len(grouped), "v": float(grouped["v"].sum()), "distinct": len(grouped)},
+    }
+    return out
+
+
+def _lines(op: str, left: Any, right: Any, method: str | None) -> Any:
+    kw = {"shuffle_method": method} if method else {}
+    if op == "shuffle":
+        out, column = left.shuffle("k", **kw), "k"
+    elif op == "merge":
+        out, column = left.merge(right, on="k", **kw), "k"
+    elif op == "set_index":
+        out, column = left.set_index("k", **kw), None
+    elif op == "groupby":
+        out = left.groupby("k").sum(split_out=8, **kw).reset_index()
+        column = "k"
+    else:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+    meta = summarize(left._meta.set_index("k") if column is None else left._meta, column)
+    return out.map_partitions(summarize, column, meta=meta)
+
+
+def _check(op: str, lines: Any, want: dict[str, float]) -> None:
+    got_rows, got_v = int(lines["rows"].sum()), float(lines["v"].sum())
+    if got_rows != want["rows"] or abs(got_v - want["v"]) > 1e-6 * max(1.0, abs(want["v"])):
+        raise AssertionError(f"{op}: {got_rows} rows, sum {got_v}; pandas: {want['rows']}, {want['v']}")
+    # a key in one output partition only: the partitions' distinct keys add up
+    if int(lines["distinct"].sum()) != want["distinct"]:
+        raise AssertionError(f"{op}: keys spread over partitions ({int(lines['distinct'].sum())} "
+                             f"against {want['distinct']} distinct)")
+    if op == "set_index":
+        full = lines[lines["rows"] > 0]
+        if not (full["lo"].values[1:] > full["hi"].values[:-1]).all():
+            raise AssertionError("set_index: partitions out of order or overlapping")
+
+
+class _Peak:
+    """The largest total resident memory of this process's children (the worker
+    processes and what they started; the scheduler runs in this process on both
+    systems and is not counted), sampled in a thread."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _total(self) -> int:
+        total = 0
+        for p in self._me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._total())
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> _Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._total())
+
+
+def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions: int, ops: str,
+             rounds: int) -> dict[str, Any]:
+    import dask.dataframe as dd
+
+    want = _expected(rows, partitions)
+    left, right = _frames(dd, rows, partitions)
+    out: dict[str, Any] = {}
+    for op in ops.split(","):
+        for name, method in methods.items():
+            times, peaks = [], []
+            for i in range(rounds + 1):
+                with _Peak() as peak:
+                    t0 = _perf()
+                    lines = client.compute(_lines(op, left, right, method)).result()
+                    dt = _perf() - t0
+                _check(op, lines, want[op])
+                if i:
+                    times.append(dt)
+                    peaks.append(peak.peak / 1e6)
+            out[f"{op}_{name}"] = statistics.median(times)
+            out[f"{op}_{name}_peak_mb"] = statistics.median(peaks)
+    return out
+
+
+def _session(system: str) -> Any:
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"
+    from .cluster import open_session
+
+    return open_session(system)
+
+
+@df_shuffle.system("shoal")
+def _shoal(rows: int, partitions: int, ops: str, rounds: int) -> dict[str, Any]:
+    with _session("shoal") as s:
+        out = _run_ops(s.client, {"shoal": None}, rows, partitions, ops, rounds)
+        out.update(s.extra_info())
+    return out
+
+
+@df_shuffle.system("dask")
+def _dask(rows: int, partitions: int, ops: str, rounds: int) -> dict[str, Any]:
+    with _session("dask") as s:
+        out = _run_ops(s.client, {"p2p": "p2p", "tasks": "tasks"}, rows, partitions, ops, rounds)
+    return out
