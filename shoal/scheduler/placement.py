@@ -6,7 +6,9 @@ A task goes to the worker with room holding most of its input bytes, then to the
 least busy worker with room. A holder without room still gets it when its inputs would
 take longer to move than the tasks ahead of it there take to run (:meth:`Placement.
 _worth_waiting`: a fan-out of cheap tasks over one large value, such as a shuffle's
-splits of one partition, stays where the value is). Nothing here walks every worker: the holders of its
+splits of one partition, stays where the value is), and when no worker has room and
+they are large (it waits at the holder, not in the queue for whichever worker frees a
+thread first). Nothing here walks every worker: the holders of its
 inputs are scored, and a :class:`~.model.RoomIndex` per language and per resource
 keeps the workers with room by load (:meth:`Placement._touch` keeps them up to date
 wherever a worker's load or room may change); a task naming workers (``workers=``)
@@ -25,7 +27,7 @@ from collections.abc import Iterable
 from .model import Need, PrefixGroup, RoomIndex, TaskState, WorkerState
 from .transitions import TaskTransitions
 
-__all__ = ["Placement", "WAIT_OVERFILL"]
+__all__ = ["Placement", "WAIT_OVERFILL", "WAIT_MIN_BYTES"]
 
 # the task durations the scheduler averages are clamped to this range (seconds)
 _MIN_DURATION, _MAX_DURATION = 1e-6, 1e6
@@ -43,9 +45,15 @@ _AHEAD_EVERY = 100
 #: not hidden behind other work), and a fixed cost per value (the request, the reply)
 _MOVE_BYTES_PER_SECOND = 200e6
 _MOVE_SECONDS = 1e-3
-#: a holder is given tasks beyond its room only while it holds fewer than this many
-#: times its room (a bound on what one decision can pile on one worker)
-WAIT_OVERFILL = 16
+#: a holder is given cheap tasks beyond its room (those it runs sooner than their
+#: inputs would move) only while it holds fewer than this many times its room (their
+#: time is bounded by the move's; this bounds their number)
+WAIT_OVERFILL = 64
+#: when no worker has room, a task whose inputs' holder holds this many bytes of them
+#: waits there rather than in the queue, while the holder holds fewer than
+#: _QUEUE_OVERFILL times its room (past that, the queue balances the load)
+WAIT_MIN_BYTES = 1 << 20
+_QUEUE_OVERFILL = 4
 
 
 class Placement(TaskTransitions):
@@ -153,9 +161,29 @@ class Placement(TaskTransitions):
         if holder is not None:
             return holder
         if ts.resources:
-            return self._least_busy_with(ts)
-        room = self.rooms.get(ts.language)
-        return room.best() if room is not None else None
+            best = self._least_busy_with(ts)
+        else:
+            room = self.rooms.get(ts.language)
+            best = room.best() if room is not None else None
+        if best is None and ts.dependencies:
+            # no worker has room: rather than wait in the queue (for whichever worker
+            # frees a thread first), a task with a large input waits at its holder
+            return self._holder_to_wait_at(ts)
+        return best
+
+    def _holder_to_wait_at(self, ts: TaskState) -> WorkerState | None:
+        """The holder of most of the input bytes of ``ts``, if they are at least
+        ``WAIT_MIN_BYTES`` and it may take the task past its room (up to
+        ``_QUEUE_OVERFILL`` times it)."""
+        local: dict[WorkerState, int] = {}
+        for d in ts.dependencies:
+            n = max(d.nbytes, 1)
+            for ws in d.who_has:
+                local[ws] = local.get(ws, 0) + n
+        if not local:
+            return None
+        ws, n = max(local.items(), key=lambda item: (item[1], item[0].address))
+        return ws if n >= WAIT_MIN_BYTES and self._may_wait_at(ts, ws, _QUEUE_OVERFILL) else None
 
     def _least_busy_with(self, ts: TaskState) -> WorkerState | None:
         """The least busy worker with room and the resources ``ts`` asks for free: the
@@ -243,33 +271,38 @@ class Placement(TaskTransitions):
 
     def _worth_waiting(self, ts: TaskState, ws: WorkerState, held: int) -> bool:
         """Whether ``ts`` should wait at ``ws``, which holds ``held`` bytes of its inputs
-        and has no room: the tasks ahead of it there (their prefixes' average
-        durations, over its threads) end sooner than those bytes would move elsewhere.
+        and has no room: the tasks ahead of it there (those the worker runs first, by
+        priority: their prefixes' average durations, over its threads) end sooner than
+        those bytes would move elsewhere.
         Only once tasks of its prefix have run (their cost is known); never past
         ``WAIT_OVERFILL`` times the room of ``ws``, nor to a worker that may not take
         it."""
         group = ts.group
-        if group is None or group.duration <= 0:
-            return False
-        if ws.paused or self.workers.get(ws.address) is not ws or ts.language not in ws.languages \
-                or not _has_resources(ts, ws):
-            return False
-        running = len(ws.processing) - len(ws.long_running)
-        if running >= WAIT_OVERFILL * ws.nthreads * (1 + self._ahead_now):
+        if group is None or group.duration <= 0 or not self._may_wait_at(ts, ws, WAIT_OVERFILL):
             return False
         move = _MOVE_SECONDS + held / _MOVE_BYTES_PER_SECOND
         fallback = self.average_duration
         wait = 0.0
         budget = move * ws.nthreads
         seceded = ws.long_running
+        priority = ts.priority
         for other in ws.processing:
-            if other in seceded:
-                continue  # (it holds no thread)
+            if other in seceded or not other.priority < priority:
+                continue  # (it holds no thread; or the worker runs it after ts)
             g = other.group
             wait += g.duration if g is not None and g.duration > 0 else fallback
             if wait >= budget:
                 return False
         return True
+
+    def _may_wait_at(self, ts: TaskState, ws: WorkerState, overfill: int) -> bool:
+        """Whether ``ts`` may be sent to ``ws`` past its room to wait for a thread
+        there: ``ws`` runs it, is not paused nor leaving, and holds fewer than
+        ``overfill`` times its room."""
+        if ws.paused or self.workers.get(ws.address) is not ws or ts.language not in ws.languages \
+                or not _has_resources(ts, ws):
+            return False
+        return len(ws.processing) - len(ws.long_running) < overfill * ws.nthreads * (1 + self._ahead_now)
 
     def _may_take(self, ts: TaskState, ws: WorkerState) -> bool:
         """Whether ``ws`` (an inputs' holder, a sibling's worker) may be sent ``ts``

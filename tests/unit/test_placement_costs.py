@@ -77,12 +77,27 @@ def test_a_fan_out_past_the_room_rule_stays_with_its_holder_only_while_its_tasks
 
     s = two_workers()
     learn(s, "split", 10.0)  # each as long as moving the value 30 times
-    n = 3 * overfill(s)
+    n = 8 * overfill(s)
     placed = fan_out(s, n)
     holder = placed.pop("holder")[0]
     other = "w2" if holder == "w1" else "w1"
-    assert len(placed[holder]) == overfill(s), "the room rule's share only"
-    assert placed[other], "the rest go where there is room, or wait in the queue"
+    room = 1 + s.state._ahead_now
+    assert len(placed[other]) == room, "the other worker takes what it has room for"
+    # and no worker has room: the next wait at the holder of their large input, not
+    # in the queue for whichever worker frees a thread first; past four times its
+    # room, in the queue (which balances the load)
+    assert len(placed[holder]) == 4 * room
+    queued = [i for i in range(n) if s.ts(f"split-{i}").state == "queued"]
+    assert len(queued) == n - 5 * room
+
+
+def test_with_no_room_anywhere_a_task_of_a_small_input_waits_in_the_queue():
+    s = two_workers()
+    learn(s, "split", 10.0)
+    n = 3 * overfill(s)
+    (where, _), = computes(s.submit(task("part-1"), wanted=[]))
+    s.submit(*[task(f"split-{i}", "part-1") for i in range(n)])
+    finish(s, where, "part-1", nbytes=1000, duration=0.5)
     assert {s.ts(f"split-{i}").state for i in range(n)} == {"processing", "queued"}
 
 
