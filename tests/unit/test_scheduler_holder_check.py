@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler_harness import Sched, checks, compute_of, computes, frees, reported, task, without_user_data
+from scheduler_harness import Sched, checks, compute_of, computes, reported, task, without_user_data
 from shoal.scheduler.state import CloseWorkerStream
 
 
@@ -175,16 +175,6 @@ def test_a_run_with_questions_replays_the_same(s: Sched) -> None:
     assert without_user_data(out) == without_user_data(s.instructions)
     assert {k: ts.state for k, ts in fresh.tasks.items()} == s.states()
     assert "holder" not in fresh.workers
-
-
-def test_reports_about_one_of_several_holders_ask_nothing(s: Sched) -> None:
-    s.add_worker("h1")
-    s.add_worker("h2")
-    s.add_worker("a")
-    s.scatter({"x": ["h1", "h2"]})
-    s.submit(task("y", "x", workers=["a"]))
-    out = s.missing("x", "h1", by="a")
-    assert checks(out) == [] and frees(out) == {"h1": {"x"}} and holders(s, "x") == {"h2"}
 
 
 def test_tasks_given_back_while_the_holder_is_asked_wait_for_the_answer(s: Sched) -> None:

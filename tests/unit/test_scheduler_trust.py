@@ -124,8 +124,9 @@ def test_a_peer_that_did_not_get_a_value_drops_one_holder_of_several(s: Sched) -
     s.scatter({"x": ["w1", "w2"]})
     s.submit(task("y", "x", workers=["w3"]))
     out = s.missing("x", "w1", by="w3")
-    # dropped, and told to free it should it hold it still: nothing is left behind
-    assert holders(s, "x") == {"w2"} and frees(out) == {"w1": {"x"}}
+    # dropped, and told to free it should it hold it still: nothing is left behind (and
+    # nothing asked: another holder is left)
+    assert holders(s, "x") == {"w2"} and frees(out) == {"w1": {"x"}} and checks(out) == []
     assert s.state.workers["w1"].nbytes == 0
 
 
