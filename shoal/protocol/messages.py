@@ -563,6 +563,16 @@ class GetDataMsg(Msg, tag="get-data"):
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
 
 
+class HasKeysMsg(Msg, tag="has-keys"):
+    """To a worker, from the scheduler: which of ``keys`` it holds and serves now
+    (answered ``{"held": [key, ...]}`` from its event loop, the values left unread):
+    workers sent to fetch one of them said it did not hand it out (§7.3 ``missing-data``)."""
+
+    keys: list[Any]
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
 class ScatterDataMsg(Msg, tag="update-data"):
     """To a worker: values to hold (``Client.scatter``)."""
 
@@ -617,7 +627,7 @@ SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateData
                             RegisterWorkerPluginMsg, UnregisterWorkerPluginMsg, *COORDINATION_REQUESTS,
                             *CLUSTER_OPS_REQUESTS)
 WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,
-                        ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg)
+                        ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg, HasKeysMsg)
 NANNY_REQUESTS = _table(IdentityMsg, NannyRestartMsg, NannyCloseMsg)
 CONTROL = _table(LeaseAckMsg)
 

@@ -209,6 +209,18 @@ class MissingDataEvent(Event):
 
 
 @dataclass
+class HolderCheckedEvent(Event):
+    """What ``worker``, asked by the scheduler itself (:class:`CheckHolder`), said of
+    ``key``: ``held`` true, it holds the value and serves it; false, it does not hold
+    it; None, no answer within the deadline, or it could not be asked (``why``)."""
+
+    worker: str
+    key: Key
+    held: bool | None
+    why: str = ""
+
+
+@dataclass
 class RescheduleEvent(Event):
     """A worker gives a task back (e.g. its inputs could not be fetched)."""
 
@@ -297,6 +309,17 @@ class CloseWorkerStream(Instruction):
     silent_for: float
     #: why it was removed, when not for its silence
     why: str = ""
+
+
+@dataclass
+class CheckHolder(Instruction):
+    """Ask ``worker``, over a connection of the scheduler's own, whether it holds
+    ``key`` and serves it (``has-keys``), and say what it answered
+    (:class:`HolderCheckedEvent`): workers sent to fetch the value said it did not
+    hand it out."""
+
+    worker: str
+    key: Key
 
 
 @dataclass

@@ -160,9 +160,12 @@ class TaskState:
     nbytes: int = -1
     retries: int = 0
     suspicious: int = 0
-    #: reports, from workers sent to fetch it, that its one holder did not hand the
-    #: value out (since that holder became one)
-    unserved: int = 0
+    #: the workers sent to fetch it that said its one holder did not hand the value
+    #: out (each counts once), since that holder became the one or last showed the
+    #: scheduler that it holds it
+    unserved: Few[str] = ()
+    #: the holder the scheduler asked whether it holds the value (its answer awaited)
+    checking: str | None = None
     #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
     exception: Any = None
     traceback: Any = None

@@ -9,17 +9,35 @@ the worker the task was sent to; a copy (``add-replica``) or a value a peer did 
 (``missing-data``) only from a worker sent a task that needs the value. Anything else is
 not believed: a worker that reported a value it was not asked for is told to free it,
 and the report is logged (:class:`~.events.Warn`, for each worker the first time and at
-each tenfold count: a buggy worker may send many). A value's last holder is never
-dropped on a peer's word alone: the scheduler cannot tell which of the two is wrong,
-and a scattered value cannot be made again; a holder that ``max_unserved`` workers sent
-to fetch its value did not get it from is removed from the cluster, as a silent one is.
+each tenfold count: a buggy worker may send many).
+
+A value's last holder is never dropped on a peer's word: the scheduler cannot tell
+which of the two is wrong, and a scattered value cannot be made again. It believes what
+it can check: when a worker sent to fetch the value says the holder took its request
+and did not serve it, the scheduler asks the holder itself (:class:`~.events.CheckHolder`,
+the ``has-keys`` request, over a connection of its own, answered by the holder's event
+loop, the one that serves its peers). Tasks given back meanwhile for want of the value
+wait for the answer (:meth:`WorkerReports._unpark`): sent out again at once, they would
+fetch from the holder in question, and a worker errs a task whose fetches from one peer
+fail ``gather-peer-failures`` times in a row. The answer decides (:meth:`WorkerReports._holder_checked`):
+the holder that says it holds the value keeps it, and the reports against it are
+forgotten (the workers that gave their tasks back get them again and fetch anew); one
+that says it does not is believed, as its own ``missing-data``; one that does not answer
+within the deadline (or cannot be asked) is removed from the cluster, as a silent one
+is, if ``max_unserved`` different workers said it did not serve them (one worker's
+reports count once: a buggy one may send many). What only it held is then recomputed,
+and scattered values err with ``LostData``. The server sets the deadline: ``worker-ttl``,
+the time any worker has to show it is alive, so a holder whose event loop is held up
+(a long call that keeps the GIL) is not removed for that sooner than for its silence.
 """
 
 from __future__ import annotations
 
 from .events import (
+    CheckHolder,
     CloseWorkerStream,
     FreeKeys,
+    HolderCheckedEvent,
     LongRunningEvent,
     MissingDataEvent,
     ReplicaAddedEvent,
@@ -28,13 +46,14 @@ from .events import (
     TaskFinishedEvent,
     Warn,
 )
-from .model import TaskState, WorkerState
+from .model import TaskState, WorkerState, plus
 from .placement import Placement
 
 __all__ = ["WorkerReports", "MAX_UNSERVED"]
 
-#: a worker that is the one holder of a value and did not hand it out to this many
-#: workers sent to fetch it (``missing-data``) is removed, as a silent one is
+#: a worker that is the one holder of a value, did not hand it out to this many
+#: different workers sent to fetch it (``missing-data``) and did not answer the
+#: scheduler's own question about it (``has-keys``) is removed, as a silent one is
 MAX_UNSERVED = 2
 
 
@@ -43,6 +62,9 @@ class WorkerReports(Placement):
 
     # what the scheduler's state holds, used here (set by SchedulerState.__init__)
     max_unserved: int
+    #: tasks given back by their worker (still counted there) while the holder of an
+    #: input is asked whether it holds it: sent out again once the answer is in
+    _parked: dict[TaskState, WorkerState]
 
     def _forget_worker(self, ws: WorkerState) -> None:
         raise NotImplementedError  # the workers: SchedulerState
@@ -125,23 +147,17 @@ class WorkerReports(Placement):
         """A worker did not get ``key`` from ``errant_worker``. The holder's own word
         is believed; a peer's is believed only from a worker sent to fetch the value.
         Such a peer makes the scheduler drop a holder of several (and tell it to free
-        the key, should it hold it still), never the last one on its word alone: it
-        may be wrong (a connection that broke, a reply it could not read), and a
-        scattered value cannot be made again. The last holder is removed from the
-        cluster once ``max_unserved`` such reports came (a worker that keeps a value
-        it does not hand out is of no more use than a dead one): what it held is then
-        recomputed (scattered values err with ``LostData``)."""
+        the key, should it hold it still), never the last one on its word: it may be
+        wrong (a connection that broke, a reply it could not read, a bug), and a
+        scattered value cannot be made again. For the last holder the scheduler asks
+        the holder itself (:class:`CheckHolder`); see :meth:`_holder_checked`."""
         ts = self.tasks.get(ev.key)
         errant = self.workers.get(ev.errant_worker)
         if ts is None or errant is None or errant not in ts.who_has:
             return
         reporter = self.workers.get(ev.worker)
-        recs: dict[TaskState, str] = {}
         if reporter is errant:
-            self._drop_replica(ts, errant)
-            if not ts.who_has and ts.state == "memory":
-                self._lost_value(ts, recs)
-                self._recommend(recs)
+            self._lacks(ts, errant)
             return
         if reporter is None or not self._sent_to_fetch(ts, reporter):
             if reporter is not None:
@@ -156,11 +172,43 @@ class WorkerReports(Placement):
             # that broke): that says nothing of the holder; the fetching worker bounds
             # its own attempts (gather-peer-failures) and a dead holder's stream breaks
             return
-        ts.unserved += 1
-        if ts.unserved < self.max_unserved:
-            return
-        self._expel(errant, f"worker {errant.address} was removed: it is the one holder of {ts.key!r:.100} and did "
-                            f"not hand it out to {ts.unserved} workers sent to fetch it (the last: {reporter.address})")
+        ts.unserved = plus(ts.unserved, reporter.address)
+        if ts.checking != errant.address:
+            # one question at a time: reports that come while it is out are counted
+            ts.checking = errant.address
+            self._emit(CheckHolder(self._stimulus, errant.address, ts.key))
+
+    def _holder_checked(self, ev: HolderCheckedEvent) -> None:
+        """The answer to a :class:`CheckHolder`. Held: the holder stays, and the
+        reports against it are forgotten (the workers that gave their tasks back are
+        sent them again and fetch anew). Not held: as the holder's own
+        ``missing-data``. No answer within the deadline, or none to be had: the
+        holder is removed from the cluster if ``max_unserved`` different workers sent
+        to fetch the value said it did not hand it out; with fewer, it stays (and the
+        next report asks it again)."""
+        ts = self.tasks.get(ev.key)
+        ws = self.workers.get(ev.worker)
+        if ts is None or ws is None or ts.checking != ws.address:
+            return  # an answer to a question no longer asked (the holders changed)
+        ts.checking = None  # (set, it names the one holder: any change of holders clears it)
+        if ev.held:
+            # (the workers that gave their tasks back are sent them again: _unpark)
+            ts.unserved = ()
+        elif ev.held is not None:
+            self._lacks(ts, ws)
+        elif len(ts.unserved) >= self.max_unserved:
+            self._expel(ws, f"worker {ws.address} was removed: it is the one holder of {ts.key!r:.100}, did not "
+                            f"hand it out to {len(ts.unserved)} workers sent to fetch it "
+                            f"({', '.join(sorted(ts.unserved))}), and {ev.why}")
+
+    def _lacks(self, ts: TaskState, ws: WorkerState) -> None:
+        """``ws`` says it does not hold ``ts``'s value (it knows): it is no longer a
+        holder, and a value held nowhere else is lost (recomputed, or ``LostData``)."""
+        self._drop_replica(ts, ws)
+        if not ts.who_has and ts.state == "memory":
+            recs: dict[TaskState, str] = {}
+            self._lost_value(ts, recs)
+            self._recommend(recs)
 
     def _expel(self, ws: WorkerState, why: str) -> None:
         """Remove ``ws`` as if its connection had died (its tasks go elsewhere, what
@@ -193,8 +241,28 @@ class WorkerReports(Placement):
 
     def _reschedule(self, ev: RescheduleEvent) -> None:
         found = self._assigned(ev, "reschedule")
-        if found is not None:
-            self._recommend(self._transition(found[0], "waiting"))
+        if found is None:
+            return
+        ts, ws = found
+        if any(d.checking is not None for d in ts.dependencies):
+            # given back for want of an input whose holder the scheduler is asking
+            # about: sent out again once the answer is in (:meth:`_unpark`), not to fetch
+            # from that holder meanwhile (each failed fetch counts against it, and the
+            # worker errs the task at gather-peer-failures)
+            self._parked[ts] = ws
+            return
+        self._recommend(self._transition(ts, "waiting"))
+
+    def _unpark(self) -> None:
+        """Send out again the tasks given back while the holder of an input was asked
+        (after each event, once no input of theirs is in question): placed anew, they
+        wait for an input that was lost, or fetch it from a holder that answered."""
+        for ts, ws in list(self._parked.items()):
+            if ts.state != "processing" or ts.processing_on is not ws:
+                del self._parked[ts]  # it has left that worker already (released, the worker gone)
+            elif not any(d.checking is not None for d in ts.dependencies):
+                del self._parked[ts]
+                self._recommend(self._transition(ts, "waiting"))
 
     def _long_running(self, ev: LongRunningEvent) -> None:
         found = self._assigned(ev, "long-running")

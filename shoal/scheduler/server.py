@@ -66,10 +66,12 @@ from .diagnostics import Diagnostics
 from .coordination_server import CoordinationServer
 from .worker_plugins import WorkerPluginStore
 from .ops import SchedulerOps
+from .holder_checks import HolderChecks
 from .state import (
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
+    CheckHolder,
     CheckLivenessEvent,
     ClientMsg,
     CloseWorkerStream,
@@ -138,6 +140,8 @@ class Scheduler:
         self.worker_plugins = WorkerPluginStore(lambda: self.worker_streams)
         #: the client's cluster operations (has-what, rebalance, restart, upload-file, ...)
         self.ops = SchedulerOps(self)
+        #: the questions out to holders that peers say did not serve them
+        self.holder_checks = HolderChecks(self)
         self.server = Server(
             {
                 "identity": self.identity,
@@ -369,6 +373,7 @@ class Scheduler:
             self.worker_streams.pop(address, None)
             self.worker_comms.pop(address, None)
             self._seen_at.pop(address, None)
+            self.holder_checks.worker_left(address)
             stream.abort()
             # a worker removed for its silence was logged then (CloseWorkerStream)
             if not self.closing and address in self.state.workers:
@@ -614,6 +619,8 @@ class Scheduler:
             self._send_worker(inst.worker, to_wire(FreeKeysMsg(inst.keys, inst.stimulus_id)), lazy=True)
         elif isinstance(inst, Warn):
             logger.warning("%s (stimulus %s)", inst.text, inst.stimulus_id)
+        elif isinstance(inst, CheckHolder):
+            self.holder_checks.start(inst)
         elif isinstance(inst, ClientMsg):
             stream = self.client_streams.get(inst.client)
             if stream is not None:
@@ -679,6 +686,7 @@ class Scheduler:
         for listener in self.server.listeners:
             security.unregister(listener.contact_address)
         self.coordination.close()
+        self.holder_checks.close()
         await self.retire_all()
         for stream in list(self.worker_streams.values()) + list(self.client_streams.values()):
             await stream.close(timeout=2.0)

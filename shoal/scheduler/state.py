@@ -64,8 +64,11 @@ worker the task was sent to (``task-finished``, ``task-erred``, ``reschedule``,
 a task that needs the value. A ``task-finished`` or ``add-replica`` not believed makes
 the worker free the key; such reports are logged (:class:`Warn`). A holder's word that
 it lacks a value is believed; a peer's drops that holder when there are others, never
-the last one at once: that holder is removed from the cluster once ``max_unserved``
-workers sent to fetch the value said they did not get it.
+the last one: the state asks that holder itself (:class:`CheckHolder`; the server
+carries the question out and feeds the answer back, :class:`HolderCheckedEvent`), and
+removes it from the cluster only if it did not answer within the deadline and
+``max_unserved`` different workers sent to fetch the value said they did not get it.
+Tasks given back meanwhile for want of the value go out again once the answer is in.
 
 The scheduler never looks inside a task's payload: it holds it opaque and forwards it.
 """
@@ -83,6 +86,7 @@ from .events import (
     AddClientEvent,
     AddWorkerEvent,
     CancelKeysEvent,
+    CheckHolder,
     CheckLivenessEvent,
     FailKeysEvent,
     FireAndForgetEvent,
@@ -92,6 +96,7 @@ from .events import (
     Event,
     FreeKeys,
     HeartbeatEvent,
+    HolderCheckedEvent,
     Instruction,
     LongRunningEvent,
     MissingDataEvent,
@@ -146,6 +151,7 @@ __all__ = [
     "UpdateDataEvent",
     "RemoveReplicasEvent",
     "MissingDataEvent",
+    "HolderCheckedEvent",
     "ReplicaAddedEvent",
     "RescheduleEvent",
     "LongRunningEvent",
@@ -159,6 +165,7 @@ __all__ = [
     "FreeKeys",
     "ClientMsg",
     "CloseWorkerStream",
+    "CheckHolder",
     "Warn",
 ]
 
@@ -194,6 +201,7 @@ class SchedulerState(WorkerReports):
         if max_unserved < 1:
             raise ValueError(f"max_unserved must be >= 1, got {max_unserved}")
         self.max_unserved = max_unserved
+        self._parked = {}
         #: seconds of silence after which a worker is removed (0: never)
         self.worker_ttl = worker_ttl
         self.queued = Queue()
@@ -249,6 +257,7 @@ class SchedulerState(WorkerReports):
             UpdateDataEvent: self._update_data,
             RemoveReplicasEvent: self._remove_replicas,
             MissingDataEvent: self._missing_data,
+            HolderCheckedEvent: self._holder_checked,
             ReplicaAddedEvent: self._replica_added,
             RescheduleEvent: self._reschedule,
             LongRunningEvent: self._long_running,
@@ -274,6 +283,8 @@ class SchedulerState(WorkerReports):
                     self._update_graph(event)
             else:
                 self._handlers[type(event)](event)
+            if self._parked:
+                self._unpark()
             if self._opened:
                 # slots opened on these workers (finished, cancelled, released tasks)
                 self._fill_opened()

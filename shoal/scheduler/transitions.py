@@ -453,7 +453,10 @@ class TaskTransitions:
         workers of its host map; the first such copy per host is the one passed on)."""
         if ws not in ts.who_has:
             ts.add_holder(ws)
-            ts.unserved = 0  # (counted against a one holder: see SchedulerState._missing_data)
+            # reports that a one holder did not serve are about that holder alone
+            # (see WorkerReports._missing_data)
+            ts.unserved = ()
+            ts.checking = None
             ws.has_what.add(ts)
             ws.nbytes += max(ts.nbytes, 0)
             if ts.fetchers:
@@ -466,6 +469,8 @@ class TaskTransitions:
     def _drop_replica(self, ts: TaskState, ws: WorkerState) -> None:
         """``ws`` no longer holds ``ts``'s value (nor its segment)."""
         ts.drop_holder(ws)
+        ts.unserved = ()
+        ts.checking = None
         ws.has_what.discard(ts)
         ws.nbytes -= max(ts.nbytes, 0)
         if ts.shm is not None and ts.shm.pop(ws.address, None) is not None and not ts.shm:

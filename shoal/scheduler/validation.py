@@ -63,9 +63,20 @@ def validate_state(state: SchedulerState) -> None:
             assert state.tasks.get(dts.key) is dts, f"{ts} has forgotten dependent {dts}"
         for ws in ts.who_has:
             assert ts in ws.has_what and state.workers.get(ws.address) is ws
+        # reports that the holder did not serve, and the question put to it, are
+        # about a one holder (any change of holders ends them)
+        if ts.unserved or ts.checking is not None:
+            assert len(ts.who_has) == 1, (ts, ts.who_has, ts.unserved, ts.checking)
+        if ts.checking is not None:
+            assert next(iter(ts.who_has)).address == ts.checking, (ts, ts.checking)
+        assert type(ts.unserved) is not tuple or len(set(ts.unserved)) == len(ts.unserved), ts
         for few in (ts.dependents, ts.waiting_on, ts.waiters, ts.who_has, ts.who_wants):
             if type(few) is tuple:
                 assert len(few) <= FEW and len(set(few)) == len(few), (ts, few)
+    # tasks given back while an input's holder is asked wait for the answer, no longer
+    for ts, ws in state._parked.items():
+        if ts.state == "processing" and ts.processing_on is ws:
+            assert any(d.checking is not None for d in ts.dependencies), f"{ts} parked, with no question out"
     assert len(state.queued) == len(set(state.queued))
     for ts in state.queued:
         assert ts.state == "queued" and state.tasks.get(ts.key) is ts

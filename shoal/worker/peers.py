@@ -5,8 +5,8 @@ values from another
 host kept in shared memory for the workers of this host, landed there by the socket
 itself), the mapping of inputs that same-host peers placed in segments, and its answer
 to ``get-data``, which waits for a value this worker is fetching itself (the
-scheduler names it to the other workers of its host: a value crosses to a host once).
-The base class of :class:`~shoal.worker.server.Worker`.
+scheduler names it to the other workers of its host: a value crosses to a host once),
+and to the scheduler's ``has-keys``. The base class of :class:`~shoal.worker.server.Worker`.
 """
 
 from __future__ import annotations
@@ -251,6 +251,14 @@ class PeerData:
         in_segments = {k: v for k, v in found.items() if store.kind(k) in _IN_SEGMENTS}
         self.traffic.served(comm.destination, sizes, in_segments)
         return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
+
+    def has_keys(self, comm: Comm | None, keys: list[Any]) -> dict[str, list[Any]]:
+        """``{"held": [key, ...]}``: those of ``keys`` this worker holds, that a
+        ``get-data`` would send. The scheduler asks (``has-keys``) when workers sent to
+        fetch a value say this worker did not serve it: answered by the event loop that
+        serves the peers, over the listener they fetch through, the values left unread."""
+        store = self.store
+        return {"held": [k for k in keys if k in store]}
 
     def transfer_stats(self, comm: Comm | None = None) -> dict[str, int]:
         return dict(self.traffic.moved)

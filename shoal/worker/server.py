@@ -125,6 +125,7 @@ class Worker(PeerData):
         self.server = Server(
             {
                 "get-data": self.get_data,
+                "has-keys": self.has_keys,
                 "update-data": self.update_data,
                 "run": self.run_function,
                 "identity": self.identity,

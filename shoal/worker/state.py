@@ -39,11 +39,13 @@ A fetch that fails (the server has already retried it, with backoff, as often as
 counts against its peer. A holder that answers without a key is reported
 (``missing-data``) once and the next holder asked; with none left the tasks that need
 the key go back to the scheduler, which decides whether to believe that holder still
-(:mod:`shoal.scheduler.reports`): nothing here asks one holder twice for one task. After ``max_peer_failures`` failed
-fetches from one peer in a row, the tasks that need a value only that peer holds err
-with the fetch's error instead of going back to the scheduler once more: the scheduler
-would send them here again, and the same fetch would fail again (a peer this worker
-cannot reach, a worker out of descriptors). A fetch from that peer that succeeds
+(:mod:`shoal.scheduler.reports`: it asks the holder itself): nothing here asks one
+holder twice for one task. After ``max_peer_failures`` failed fetches from one peer in
+a row, the tasks that need a value only that peer holds err with the fetch's error
+instead of going back to the scheduler once more: the scheduler would send them here
+again, and the same fetch would fail again (a peer this worker cannot reach, a worker
+out of descriptors, a holder that keeps answering without what it was asked for: such
+an answer counts as a failed fetch). A fetch from that peer that brings something
 clears its count.
 
 A value this worker held may be lost without the worker dying: its spill file did
@@ -399,9 +401,17 @@ class WorkerState(Fetching):
         self._lose(ts)
 
     def _gather_success(self, ev: GatherDepSuccessEvent) -> None:
-        self.peer_failures.pop(ev.worker, None)
-        flight = self.in_flight_workers.pop(ev.worker, set())
-        for ts in sorted(flight):
+        flight = sorted(self.in_flight_workers.pop(ev.worker, set()))
+        asked = [ts for ts in flight if ts.state == "flight"]
+        failures = 0
+        if ev.worker != SHM and asked and not any(ts.key in ev.data for ts in asked):
+            # an answer with none of what was asked counts as a failed fetch: a holder
+            # that keeps answering so (and the scheduler keeps believing, sending the
+            # tasks back here) is given up on as one that does not answer is
+            failures = self._count_failure(ev.worker)
+        else:
+            self.peer_failures.pop(ev.worker, None)
+        for ts in flight:
             if ts.state != "flight":
                 continue  # dropped while handling an earlier key of this reply
             ts.coming_from = None
@@ -413,8 +423,11 @@ class WorkerState(Fetching):
                     # it crossed hosts: kept for this host's workers, until the scheduler frees it
                     ts.origin = "replica"
                     self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
-            else:
+            elif failures < self.max_peer_failures:
                 self._missing_on(ts, ev.worker, unserved=True)
+            else:
+                self._give_up(ts, ev.worker, None, f"CommError: cannot fetch input {ts.key!r} from {ev.worker}: "
+                                                   f"it answered without it ({failures} fetches from it failed in a row)")
 
     def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
         if ev.unsendable is not None:
@@ -435,19 +448,23 @@ class WorkerState(Fetching):
             if failures < self.max_peer_failures:
                 self._missing_on(ts, ev.worker, unserved=ev.unserved)
                 continue
-            # given up on this peer: another holder, or the tasks that need it err
-            ts.who_has.discard(ev.worker)
-            if ts.who_has:
-                self._lose(ts)
-            else:
-                self._err_dependents(ts, ev.exception, f"cannot fetch input {ts.key!r} from {ev.worker}: "
-                                     f"{ev.text} ({failures} fetches from it failed in a row)")
+            self._give_up(ts, ev.worker, ev.exception, f"cannot fetch input {ts.key!r} from {ev.worker}: "
+                                                       f"{ev.text} ({failures} fetches from it failed in a row)")
         # the peer is unreachable: forget it as a holder of anything
         for ts in list(self.tasks.values()):
             if ev.worker in ts.who_has and self.tasks.get(ts.key) is ts:
                 ts.who_has.discard(ev.worker)
                 if ts.state == "fetch" and not ts.who_has:
                     self._lose(ts)
+
+    def _give_up(self, ts: WTask, worker: str, exception: Any, text: str) -> None:
+        """Given up on ``worker`` for ``ts``: another holder is asked, or with none
+        left the local tasks that need it err with ``exception`` and ``text``."""
+        ts.who_has.discard(worker)
+        if ts.who_has:
+            self._lose(ts)
+        else:
+            self._err_dependents(ts, exception, text)
 
     def _unsendable(self, ev: GatherDepFailureEvent) -> None:
         """The holder is fine, its values are not: asking again (or another holder, or

@@ -125,7 +125,7 @@ class ForeignWorker:
         send_frames(sock, encode({
             "op": "register-worker", "address": self.address, "nthreads": 1,
             "host": self.host_id, "pid": os.getpid(), "name": self.name,
-            "ops": ["update-data", "identity"],  # of the optional ops (§7.1, §8.2), those served below
+            "ops": ["update-data", "identity", "has-keys"],  # of the optional ops (§7.1, §8.2), those served below
         }), deadline)
         reply = decode(recv_frames(sock, deadline))
         if not isinstance(reply, dict) or reply.get("status") != "OK":
@@ -368,6 +368,8 @@ class ForeignWorker:
                     for k, v in values.items():
                         self._store(k, v)
                     response = {"status": "OK", "result": {"nbytes": {k: sys.getsizeof(v) for k, v in values.items()}}}
+                elif op == "has-keys":
+                    response = self._has_keys(list(msg.get("keys") or ()))
                 elif op == "identity":
                     response = {"status": "OK", "result": {"address": self.address, "nthreads": 1,
                                                            "name": self.name, "pid": os.getpid(),
@@ -392,6 +394,12 @@ class ForeignWorker:
             held = {k: self.data[k] for k in keys if k in self.data}
         self.served.extend(held)
         return {"status": "OK", "result": {"data": {k: pickled(v) for k, v in held.items()}}}
+
+    def _has_keys(self, keys: list[Any]) -> dict[str, Any]:
+        """The response to has-keys (§8.2): those of ``keys`` held here."""
+        with self._lock:
+            held = [k for k in keys if k in self.data]
+        return {"status": "OK", "result": {"held": held}}
 
 
 class _AnyEvent:

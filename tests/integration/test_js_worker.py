@@ -507,6 +507,8 @@ def test_js_worker_against_a_scripted_scheduler(cluster: Cluster) -> None:
             with Connection(me, "scripted-client", secret=secret, reads="neutral") as conn:
                 entry = conn.call("get-data", keys=[("joined", 1)])["result"]["data"][("joined", 1)]
                 assert entry.family == "shoal.value" and msgpack.unpackb(entry.frames[0]) == "x+y"
+                # the scheduler's question (§8.2 has-keys): the keys it holds of those asked
+                assert conn.call("has-keys", keys=[("joined", 1), "nowhere"])["result"] == {"held": [("joined", 1)]}
             # again for a key in memory: reported at once
             send(task(("joined", 1), _call("join", [[], ""], "esm_tools"), {}))
             until(lambda op: op is not done and op.get("key") == ("joined", 1), "a second task-finished")

@@ -13,7 +13,9 @@ from shoal.scheduler.state import (
     CancelKeysEvent,
     ClientMsg,
     ComputeTask,
+    CheckHolder,
     FreeKeys,
+    HolderCheckedEvent,
     MissingDataEvent,
     NewTask,
     ReleaseKeysEvent,
@@ -95,6 +97,10 @@ class Sched:
         ``unserved``, it answered without it (or not in time); else the fetch failed."""
         return self(MissingDataEvent(self.sid(), key, errant_worker, errant_worker if by is None else by, unserved))
 
+    def checked(self, worker: str, key: Any, held: bool | None, why: str = "it did not answer") -> list[Any]:
+        """``worker``'s answer to the scheduler's question about ``key`` (None: none came)."""
+        return self(HolderCheckedEvent(self.sid(), worker, key, held, why))
+
     def reschedule(self, worker: str, key: Any) -> list[Any]:
         return self(RescheduleEvent(self.sid(), worker, key))
 
@@ -115,6 +121,11 @@ def computes(out: list[Any]) -> list[tuple[str, Any]]:
 def compute_of(out: list[Any], key: Any) -> ComputeTask:
     (inst,) = [i for i in out if isinstance(i, ComputeTask) and i.key == key]
     return inst
+
+
+def checks(out: list[Any]) -> list[tuple[str, Any]]:
+    """The questions to holders: ``(worker, key)``."""
+    return [(i.worker, i.key) for i in out if isinstance(i, CheckHolder)]
 
 
 def frees(out: list[Any]) -> dict[str, set[Any]]:

@@ -1,13 +1,15 @@
 """What the scheduler believes of its workers' reports (no IO): a report about a task is
 believed from the worker the task was sent to, a copy or a missing value from a worker
-sent to fetch it; the last holder of a value is not dropped on a peer's word, and is
-removed once it has not handed the value out to ``max_unserved`` such workers."""
+sent to fetch it; the last holder of a value is not dropped on a peer's word: the
+scheduler asks it (tests/unit/test_scheduler_holder_check.py has the details), and
+removes it when it does not answer and ``max_unserved`` such workers said it did not
+serve them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from scheduler_harness import Sched, compute_of, computes, frees, reported, task, without_user_data
+from scheduler_harness import Sched, checks, compute_of, computes, frees, reported, task, without_user_data
 from shoal.scheduler.state import (
     CloseWorkerStream,
     LongRunningEvent,
@@ -122,8 +124,9 @@ def test_a_peer_that_did_not_get_a_value_drops_one_holder_of_several(s: Sched) -
     s.scatter({"x": ["w1", "w2"]})
     s.submit(task("y", "x", workers=["w3"]))
     out = s.missing("x", "w1", by="w3")
-    # dropped, and told to free it should it hold it still: nothing is left behind
-    assert holders(s, "x") == {"w2"} and frees(out) == {"w1": {"x"}}
+    # dropped, and told to free it should it hold it still: nothing is left behind (and
+    # nothing asked: another holder is left)
+    assert holders(s, "x") == {"w2"} and frees(out) == {"w1": {"x"}} and checks(out) == []
     assert s.state.workers["w1"].nbytes == 0
 
 
@@ -132,28 +135,39 @@ def test_the_last_holder_is_kept_on_one_word_and_removed_when_it_does_not_serve(
     s.submit(task("x"), task("other", workers=["bad"]), wanted=["x", "other"])
     s.finish("bad", "x")
     s.add_worker("w1", nthreads=2)
-    s.submit(task("y", "x", workers=["w1"]), task("z", "x"), wanted=["y", "z"])
+    s.add_worker("w2", nthreads=2)
+    s.submit(task("y", "x", workers=["w1"]), task("y2", "x", workers=["w2"]), task("z", "x"),
+             wanted=["y", "y2", "z"])
     assert s.on("z") == "bad"  # where its input is
-    # w1 did not get x from bad (no answer, or an answer without it): kept, on one word
+    # w1 did not get x from bad (no answer, or an answer without it): kept, on one word,
+    # and bad is asked whether it holds x
     out = s.missing("x", "bad", by="w1")
-    assert out == [] and holders(s, "x") == {"bad"}
-    out = s.reschedule("w1", "y")
-    assert compute_of(out, "y").who_has == {"x": ["bad"]}
-    # the second worker sent to fetch it that does not get it: bad is removed, as a
-    # dead worker is, and what it held or ran is made again elsewhere
-    out = s.missing("x", "bad", by="w1")
+    assert checks(out) == [("bad", "x")] and holders(s, "x") == {"bad"}
+    # w1 gives y back: sent again once the answer is in
+    assert s.reschedule("w1", "y") == []
+    # w1 again, while the question is out: the same worker counts once
+    assert s.missing("x", "bad", by="w1") == []
+    out = s.checked("bad", "x", None)
+    assert "bad" in s.state.workers and compute_of(out, "y").who_has == {"x": ["bad"]}
+    # a second worker sent to fetch it, and bad does not answer the question again:
+    # removed, as a dead worker is, and what it held or ran is made again elsewhere
+    assert checks(s.missing("x", "bad", by="w2")) == [("bad", "x")]
+    out = s.checked("bad", "x", None, "it did not answer within 300s")
     closed = [i for i in out if isinstance(i, CloseWorkerStream)]
-    assert [i.worker for i in closed] == ["bad"] and "did not hand it out to 2 workers" in closed[0].why
+    assert [i.worker for i in closed] == ["bad"]
+    assert "did not hand it out to 2 workers" in closed[0].why and "300s" in closed[0].why
     assert "bad" not in s.state.workers
     assert reported(out, "lost-key") == [("c", "x")]
-    assert computes(out) == [("w1", "x")]
-    # (y stays until w1 gives it back, right after its missing-data)
-    assert s.states() == {"x": "processing", "other": "erred", "y": "processing", "z": "waiting"}
+    assert len(computes(out)) == 1 and computes(out)[0][1] == "x"
+    # (y and y2 stay until their workers give them back, right after their missing-data)
+    assert s.states() == {"x": "processing", "other": "erred", "y": "processing", "y2": "processing",
+                          "z": "waiting"}
     assert s.ts("other").error_kind == "ValueError"  # it may only run on bad, which is gone
     assert s.ts("z").suspicious == 0  # bad did not die: its tasks count no failure
-    s.reschedule("w1", "y")
-    out = s.finish("w1", "x")
-    assert compute_of(out, "y").who_has == {"x": ["w1"]}
+    assert s.reschedule("w1", "y") == [] and s.reschedule("w2", "y2") == []  # they wait for x now
+    where = s.on("x")
+    out = s.finish(where, "x")
+    assert compute_of(out, "y").who_has == {"x": [where]} and compute_of(out, "y2").who_has == {"x": [where]}
 
 
 def test_failed_fetches_from_the_last_holder_never_remove_it(s: Sched) -> None:
@@ -175,15 +189,16 @@ def test_failed_fetches_from_the_last_holder_never_remove_it(s: Sched) -> None:
 
 def test_a_scattered_value_its_holder_does_not_serve_errs_with_lost_data(s: Sched) -> None:
     s.add_worker("w1")
+    s.add_worker("w2")
     s.add_worker("bad")
     s.scatter({"x": ["bad"]})
-    s.submit(task("y", "x", workers=["w1"]), wanted=["y"])
+    s.submit(task("y", "x", workers=["w1"]), task("y2", "x", workers=["w2"]), wanted=["y", "y2"])
     s.missing("x", "bad", by="w1")
+    s.missing("x", "bad", by="w2")
     assert s.ts("x").state == "memory"
-    s.reschedule("w1", "y")
-    out = s.missing("x", "bad", by="w1")
-    assert s.states() == {"x": "erred", "y": "erred"}
-    assert sorted(reported(out, "task-erred")) == [("c", "x"), ("c", "y")]
+    out = s.checked("bad", "x", None)
+    assert s.states() == {"x": "erred", "y": "erred", "y2": "erred"}
+    assert sorted(reported(out, "task-erred")) == [("c", "x"), ("c", "y"), ("c", "y2")]
     assert s.ts("y").exception_blame is s.ts("x") and s.ts("x").error_kind == "LostData"
 
 
@@ -194,13 +209,14 @@ def test_the_count_starts_again_with_each_new_holder(s: Sched) -> None:
     s.scatter({"x": ["w1"]})
     s.submit(task("y", "x", workers=["w3"]))
     s.missing("x", "w1", by="w3")
-    assert s.ts("x").unserved == 1
+    assert s.ts("x").unserved == ("w3",) and s.ts("x").checking == "w1"
     s.scatter({"x": ["w2"]})
-    assert s.ts("x").unserved == 0
+    assert s.ts("x").unserved == () and s.ts("x").checking is None
+    assert s.checked("w1", "x", None) == []  # the answer to a question no longer asked
     s.missing("x", "w2", by="w3")  # one of two: dropped at once
     assert holders(s, "x") == {"w1"}
     s.missing("x", "w1", by="w3")
-    assert "w1" in s.state.workers and s.ts("x").unserved == 1
+    assert "w1" in s.state.workers and s.ts("x").unserved == ("w3",)
 
 
 def test_a_run_with_untrusted_reports_replays_the_same(s: Sched) -> None:
@@ -211,8 +227,10 @@ def test_a_run_with_untrusted_reports_replays_the_same(s: Sched) -> None:
     s.finish("bad", "x")
     s.submit(task("y", "x", workers=["w1"]), wanted=["y"])
     s.missing("x", "bad", by="w1")
+    s.checked("bad", "x", True)
     s.reschedule("w1", "y")
     s.missing("x", "bad", by="w1")
+    s.checked("bad", "x", None)
     fresh, out = s.replay()
     assert without_user_data(out) == without_user_data(s.instructions)
     assert {k: ts.state for k, ts in fresh.tasks.items()} == s.states()

@@ -113,3 +113,41 @@ def test_failing_peers_are_counted_for_a_bounded_number_of_peers() -> None:
         _fetch_fails(w, f"p{i}", [f"a{i}"])
     assert len(w.state.peer_failures) == state_module._MAX_FAILING_PEERS
     assert "p0" not in w.state.peer_failures and f"p{state_module._MAX_FAILING_PEERS + 9}" in w.state.peer_failures
+
+
+def test_a_holder_that_keeps_answering_without_the_value_is_given_up_on() -> None:
+    """An answer with none of the keys asked counts as a failed fetch: the scheduler,
+    having asked the holder, may believe it still and send the task back here; the
+    third such answer in a row errs the task instead of going round for ever."""
+    w = Wk(max_peer_failures=3)
+    for n in (1, 2):
+        w.compute("t", {"a": ["p1"]})
+        out = w.gathered("p1", {}, ["a"])
+        assert sent(out) == [{"op": "missing-data", "key": "a", "errant_worker": "p1", "unserved": True},
+                             {"op": "reschedule", "key": "t"}]
+        assert w.state.peer_failures == {"p1": n}
+    w.compute("t", {"a": ["p1"]})
+    out = w.gathered("p1", {}, ["a"])
+    (msg,) = sent(out)
+    assert msg["op"] == "task-erred" and msg["key"] == "t" and msg["exception"] is None
+    assert msg["text"].startswith("CommError: cannot fetch input 'a' from p1: it answered without it")
+    assert "3 fetches from it failed in a row" in msg["text"]
+    assert w.state.tasks == {} and not w.state.in_flight_workers
+
+
+def test_an_answer_with_some_of_the_keys_is_no_failure() -> None:
+    w = Wk(max_peer_failures=1, nthreads=2)
+    w.compute("t1", {"a": ["p1"], "b": ["p1"]})
+    out = w.gathered("p1", {"a": 1}, ["a", "b"])
+    assert sent(out) == [{"op": "missing-data", "key": "b", "errant_worker": "p1", "unserved": True},
+                         {"op": "reschedule", "key": "t1"}]
+    assert w.state.peer_failures == {}
+
+
+def test_given_up_on_a_holder_that_answers_without_the_others_are_asked() -> None:
+    w = Wk(max_peer_failures=1)
+    [(first, _, _)] = gathers(w.compute("t", {"a": ["p1", "p2"]}))
+    other = "p2" if first == "p1" else "p1"
+    out = w.gathered(first, {}, ["a"])
+    assert sent(out) == [] and gathers(out) == [(other, ["a"], 1)]
+    assert executes(w.gathered(other, {"a": 1}, ["a"])) == ["t"]

@@ -78,7 +78,7 @@ class JsWorker {
         languages: ["js"],
         // of the optional ops (§8.2), the ones served here: clients then scatter,
         // run and ask transfer-stats only of the workers that serve them
-        ops: ["identity"],
+        ops: ["identity", "has-keys"],
       }),
     );
     const reply = decodeMessage(await stream.recv(CONNECT_TIMEOUT));
@@ -422,6 +422,11 @@ class JsWorker {
           }
         }
         return getDataResponse(pairs);
+      }
+      case "has-keys": {
+        // the scheduler asks whether we hold values peers say we did not serve (§7.3)
+        if (!Array.isArray(msg.keys)) throw new ProtocolError("malformed 'has-keys': field 'keys' is not an array");
+        return encodeMessage({ status: "OK", result: { held: msg.keys.filter((key) => this.data.has(keyId(key))) } });
       }
       case "identity":
         return encodeMessage({
