@@ -23,6 +23,11 @@
     ├── LostDataError              a value that cannot be recomputed was lost
     ├── CancelledError             the future's task was cancelled (also a
     │                              concurrent.futures.CancelledError)
+    ├── ShuffleError               shoal's shuffle cannot go on (a split's value is
+    │                              gone from a worker that should hold it, bad output
+    │                              numbers)
+    ├── Reschedule                 raised by a task: not an error; the task goes back
+    │                              to the scheduler, which runs it again
     └── RemoteError                a remote handler failed and its exception could not
                                    be reconstructed as its own type
 
@@ -56,6 +61,8 @@ __all__ = [
     "KilledWorker",
     "LostDataError",
     "CancelledError",
+    "ShuffleError",
+    "Reschedule",
     "describe",
     "short_repr",
 ]
@@ -142,6 +149,17 @@ class LostDataError(ShoalError):
 
 class CancelledError(ShoalError, concurrent.futures.CancelledError):
     """The task of this future was cancelled."""
+
+
+class ShuffleError(ShoalError):
+    """shoal's shuffle cannot go on: a worker that should hold a split of its input
+    does not, or a row's output partition is out of range."""
+
+
+class Reschedule(ShoalError):
+    """Raised by a task to give itself back to the scheduler, which runs it again
+    (where and when it decides): what a task does when something it needs is not
+    ready yet and will be (shoal's shuffle, when a worker holding its input is gone)."""
 
 
 class InvalidKeyError(ShoalError, TypeError, ValueError):

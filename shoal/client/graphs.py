@@ -19,6 +19,7 @@ from ..gcpolicy import collector_off
 from ..protocol import to_serialize
 from ..protocol.serialize import sizeof
 from ..taskspec import Ref, RunSpec, Task
+from .shuffle import is_locate
 
 __all__ = ["graph_to_tasks", "prepare", "Graph", "pack", "flatten_keys", "split_graph", "GRAPH_CHUNK"]
 
@@ -221,7 +222,10 @@ def _task_of(key: Any, node: Any, deps: list[Any] | None = None) -> dict[str, An
     if deps is None:
         deps = list(node.dependencies)
     payload = RunSpec(_run_node, (Node(node), {d: Ref(d) for d in deps}))
-    return {"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0}
+    task = {"key": key, "payload": to_serialize(payload), "deps": deps, "workers": None, "retries": 0}
+    if is_locate(getattr(node, "func", None)):
+        task["locate"] = True  # a barrier of shoal's shuffle: it runs on where its inputs are
+    return task
 
 
 #: graphs of more tasks than this are ordered depth first here, not by ``dask.order``

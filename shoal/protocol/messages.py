@@ -219,9 +219,12 @@ class ComputeTaskMsg(Msg, tag="compute-task"):
     stimulus_id: str = ""  # what caused it on the sender's side (§6)
     #: abstract resources the task holds while it runs (nil: none)
     resources: dict[str, float] | None = None
+    #: a barrier of shoal's shuffle: its inputs are not fetched; it runs on where they
+    #: are (``who_has``, ``nbytes``, ``shm``), as :class:`shoal.worker.shuffle.Location`
+    locate: bool = False
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
-    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id", "resources")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id", "resources", "locate")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 
@@ -303,6 +306,9 @@ class TaskDef(msgspec.Struct, forbid_unknown_fields=False):
     allow_other_workers: bool = False
     #: the language of its payload (§4.6): it runs only on workers that run that language
     language: str = "python"
+    #: it runs on where its inputs are, not on their values, and keeps them until it is
+    #: released (a barrier of shoal's shuffle, §9.3)
+    locate: bool = False
 
 
 class UpdateGraphMsg(Msg, tag="update-graph"):
@@ -573,6 +579,17 @@ class HasKeysMsg(Msg, tag="has-keys"):
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
 
 
+class GetSlicesMsg(Msg, tag="get-slices"):
+    """To a worker, from a worker assembling an output partition of shoal's shuffle:
+    the rows of output partition ``index`` of those of ``keys`` (values of the
+    shuffle's split tasks) it holds (answered ``{"data": {key: rows}}``)."""
+
+    keys: list[Any]
+    index: int
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
 class ScatterDataMsg(Msg, tag="update-data"):
     """To a worker: values to hold (``Client.scatter``)."""
 
@@ -627,7 +644,8 @@ SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateData
                             RegisterWorkerPluginMsg, UnregisterWorkerPluginMsg, *COORDINATION_REQUESTS,
                             *CLUSTER_OPS_REQUESTS)
 WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,
-                        ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg, HasKeysMsg)
+                        ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg, HasKeysMsg,
+                        GetSlicesMsg)
 NANNY_REQUESTS = _table(IdentityMsg, NannyRestartMsg, NannyCloseMsg)
 CONTROL = _table(LeaseAckMsg)
 

@@ -518,7 +518,7 @@ class Scheduler:
         match msg:
             case UpdateGraphMsg():
                 tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries, t.priority, t.resources or None,
-                                 t.allow_other_workers, t.language) for t in msg.tasks]
+                                 t.allow_other_workers, t.language, t.locate) for t in msg.tasks]
                 self._apply(UpdateGraphEvent(sid, client, tasks, msg.wanted))
             case ReleaseKeysMsg():
                 self._apply(ReleaseKeysEvent(sid, client, msg.keys))
@@ -603,7 +603,7 @@ class Scheduler:
                 self._send_worker(inst.worker, ComputeTaskMsg(
                     inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
                     shm=inst.shm or None, report=inst.report, stimulus_id=inst.stimulus_id,
-                    resources=inst.resources,
+                    resources=inst.resources, locate=inst.locate,
                 ))
         elif isinstance(inst, CloseWorkerStream):
             if inst.why:

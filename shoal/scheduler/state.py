@@ -226,6 +226,9 @@ class SchedulerState(WorkerReports):
         self.queued_languages: dict[str, int] = {}
         #: the known tasks counted by key prefix and state (the dashboard's progress)
         self.groups: dict[str, PrefixGroup] = {}
+        #: tasks that run on where their inputs are (shoal's shuffle's barriers): their
+        #: inputs are kept while they are, and a lost input makes them run again
+        self.locating: set[TaskState] = set()
         #: the average durations of prefixes whose groups went (at most DURATIONS_KEPT,
         #: the least recently gone dropped first)
         self.durations: dict[str, float] = {}
@@ -471,6 +474,8 @@ class SchedulerState(WorkerReports):
             if t.resources:
                 ts.resources = dict(t.resources)
             ts.language = t.language
+            if t.locate:
+                self.locating.add(ts)
             tasks[key] = ts
             created.append(ts)
             names = t.dependencies

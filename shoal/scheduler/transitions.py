@@ -37,6 +37,7 @@ class TaskTransitions:
     #: language -> how many of the queued tasks are of it
     queued_languages: dict[str, int]
     groups: dict[str, PrefixGroup]
+    locating: set[TaskState]
     durations: dict[str, float]
     done_total: int
     log: StateLog
@@ -187,7 +188,7 @@ class TaskTransitions:
             if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None:
                 shm[key] = info
         self._emit(ComputeTask(self._stimulus, ws.address, ts.key, ts.payload, who_has, nbytes, ts.priority, shm,
-                               bool(ts.who_wants), ts.resources))
+                               bool(ts.who_wants), ts.resources, ts in self.locating))
 
     def _holders_for(self, ts: TaskState, ws: WorkerState) -> list[str]:
         """The workers ``ws`` may fetch ``ts``'s value from, in the order to ask them:
@@ -245,10 +246,11 @@ class TaskTransitions:
                 if not dts.waiting_on and dts.state == "waiting":
                     recs[dts] = "processing"
         ts.waiting_on = ()
-        for dep in ts.dependencies:
-            dep.waiters = minus(dep.waiters, ts)
-            if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
-                recs[dep] = "forgotten"
+        if ts not in self.locating:  # (a locate task keeps its inputs while it is held)
+            for dep in ts.dependencies:
+                dep.waiters = minus(dep.waiters, ts)
+                if not dep.waiters and not dep.who_wants and dep.state in _ACTIVE:
+                    recs[dep] = "forgotten"
         if ts.who_wants:
             ts.unwant(FIRE_AND_FORGET)  # it ran to the end: nothing more to hold it for
         if ts.who_wants:
@@ -312,6 +314,7 @@ class TaskTransitions:
         recs: dict[TaskState, str] = {}
         self._set_state(ts, "forgotten")
         del self.tasks[ts.key]
+        self.locating.discard(ts)
         for dep in ts.dependencies:
             dep.dependents = minus(dep.dependents, ts)
             dep.waiters = minus(dep.waiters, ts)
@@ -426,11 +429,15 @@ class TaskTransitions:
         ))
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
-        """The last copy of ``ts``'s value is gone: recompute it if anyone needs it."""
+        """The last copy of ``ts``'s value is gone: recompute it if anyone needs it;
+        and a locate task in memory that it is an input of runs again (its value says
+        where ``ts`` was)."""
         ts.inline = None
         self._set_state(ts, "released")
         for dts in sorted(ts.dependents):
-            if dts.state == "waiting":
+            if dts.state == "memory" and dts in self.locating:
+                self._relocate(dts, recs)
+            elif dts.state == "waiting":
                 dts.wait_on(ts)
             elif dts.state == "queued":
                 self._dequeue(dts)
@@ -447,6 +454,21 @@ class TaskTransitions:
             recs[ts] = "waiting"
         else:
             recs[ts] = "forgotten"
+
+    def _relocate(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
+        """``ts``, a locate task in memory, lost an input: its value no longer says
+        where its inputs are. Its dependents that wait in the queue wait for it again;
+        those running give themselves back when they find an input gone
+        (``Reschedule``); it runs again once the lost input is made again."""
+        for dts in sorted(ts.dependents):
+            if dts.state == "queued":
+                self._dequeue(dts)
+                self._set_state(dts, "waiting")
+                dts.waiting_on = ()
+                for d in dts.dependencies:
+                    if d.state != "memory":
+                        dts.wait_on(d)
+        recs[ts] = "waiting" if any(d.state in _TO_RUN for d in ts.dependents) or ts.who_wants else "forgotten"
 
     def _add_replica(self, ts: TaskState, ws: WorkerState, shm: Any = None) -> None:
         """``ws`` holds ``ts``'s value too (with ``shm``: in that segment, which

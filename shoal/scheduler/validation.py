@@ -52,7 +52,9 @@ def validate_state(state: SchedulerState) -> None:
             assert ts.who_wants or ts.dependents, f"{ts} is needed by nobody: it should be forgotten"
         if ts.state == "released":
             assert not ts.waiters, ts
-        assert set(ts.waiters) == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")}, ts
+        # (a locate task in memory keeps its inputs: it waits on them until released)
+        assert set(ts.waiters) == {d for d in ts.dependents if d.state in ("waiting", "queued", "processing")
+                                   or (d.state == "memory" and d in state.locating)}, ts
         if ts.state == "erred":
             assert ts.exception_blame is not None, ts
         for dep in ts.dependencies:

@@ -55,11 +55,13 @@ class ComputeTaskEvent(Event):
     report: bool = False
     #: abstract resources the task holds while it runs (``{"GPU": 1}``); None: none
     resources: dict[str, float] | None = None
+    #: run on where its inputs are, not on their values (a shuffle's barrier)
+    locate: bool = False
 
     def logged(self) -> ComputeTaskEvent:
         """This event for the log: without the task's payload."""
         return ComputeTaskEvent(self.stimulus_id, self.key, _dropped(self.payload), self.who_has, self.nbytes,
-                                self.priority, self.shm, self.report, self.resources)
+                                self.priority, self.shm, self.report, self.resources, self.locate)
 
 
 @dataclass
@@ -97,12 +99,14 @@ class ExecuteFailureEvent(Event):
     text: str
     timing: tuple[float, float, int] | None = None
     transfers: list[tuple[str, str, int, str, float, float]] | None = None
+    #: the task raised :class:`~shoal.errors.Reschedule`: it goes back to the scheduler
+    reschedule: bool = False
 
     def logged(self) -> ExecuteFailureEvent:
         """This event for the log: without the exception object (its text stays)."""
         tb = self.traceback if isinstance(self.traceback, (str, type(None))) else DROPPED
         return ExecuteFailureEvent(self.stimulus_id, self.key, _dropped(self.exception), tb, self.text,
-                                   self.timing, self.transfers)
+                                   self.timing, self.transfers, self.reschedule)
 
 
 @dataclass

@@ -45,6 +45,9 @@ class WTask:
     resources: dict[str, float] | None = None
     #: order of creation: breaks ties of priority, so runs do not depend on set order
     seq: int = 0
+    #: a task run on where its inputs are (``locate``): {input key: (holders, nbytes,
+    #: segment)}; None for others
+    located: dict[Key, tuple[list[str], int, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"<WTask {self.key!r} {self.state}>"

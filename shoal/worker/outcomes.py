@@ -16,6 +16,7 @@ from ..errors import (
     CorruptedDataError,
     DeserializationError,
     HandshakeError,
+    Reschedule,
     SerializationError,
     describe,
 )
@@ -48,6 +49,8 @@ def failure_event(stimulus_id: str, key: Any, exc: BaseException, destination: s
     """The event of a task that raised ``exc`` (its function, or anything shoal did
     with its result): the exception as it can travel, its traceback and text, made
     whatever the exception's ``__str__`` or ``__reduce__`` do."""
+    if isinstance(exc, Reschedule):  # nothing wrong with the task: it goes back
+        return ExecuteFailureEvent(stimulus_id, key, None, "", describe(exc), reschedule=True)
     try:
         tb = "".join(traceback.format_exception(exc))
     except BaseException:  # noqa: BLE001 - formatting calls the exception's methods

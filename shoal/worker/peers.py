@@ -19,9 +19,10 @@ from typing import Any
 from .. import config
 from ..comm import Comm, shm, shm_born, shm_family
 from ..errors import CommBrokenError, CorruptedDataError, SerializationError, describe, short_repr
-from ..protocol import REMOTE, to_serialize
+from ..protocol import REMOTE, sizeof, to_serialize
 from ..protocol.sizes import managed_sizeof
 from ..rpc import ConnectionPool, fetch_deadline
+from . import shuffle
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
@@ -250,6 +251,14 @@ class PeerData:
         # only a value the store found in a segment can be mapped by the peer
         in_segments = {k: v for k, v in found.items() if store.kind(k) in _IN_SEGMENTS}
         self.traffic.served(comm.destination, sizes, in_segments)
+        return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
+
+    def get_slices(self, comm: Comm, keys: list[Any], index: int) -> dict[str, Any]:
+        """``get-slices``: the rows of output partition ``index`` of the splits of
+        shoal's shuffle among ``keys`` that this worker holds (:mod:`.shuffle`)."""
+        found = shuffle.serve_slices(self.store, keys, index)
+        sizes = {k: sizeof(v) for k, v in found.items()}
+        self.traffic.served(comm.destination, sizes, {})
         return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
 
     def has_keys(self, comm: Comm | None, keys: list[Any]) -> dict[str, list[Any]]:

@@ -50,7 +50,7 @@ from ..protocol.messages import (
     decode,
 )
 from ..taskspec import RunSpec, run, takes_parameter
-from . import actor, context, upload
+from . import actor, context, shuffle, upload
 from .plugin import add_plugin, call_hook, plugin_add, plugin_remove, remove_plugin, tell_transitions, unwrap_plugin
 from .memory import Thresholds, parse_memory_limit
 from .diagnostics import CpuMeter, Traffic
@@ -126,6 +126,7 @@ class Worker(PeerData):
             {
                 "get-data": self.get_data,
                 "has-keys": self.has_keys,
+                "get-slices": self.get_slices,
                 "update-data": self.update_data,
                 "run": self.run_function,
                 "identity": self.identity,
@@ -362,7 +363,7 @@ class Worker(PeerData):
                             events.append(ComputeTaskEvent(
                                 msg.stimulus_id or self._stimulus("compute"), msg.key, msg.payload, msg.who_has,
                                 msg.nbytes, tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
-                                msg.resources or None,
+                                msg.resources or None, msg.locate,
                             ))
                         case FreeKeysMsg():
                             events.append(FreeKeysEvent(msg.stimulus_id or self._stimulus("free"), msg.keys))
@@ -505,7 +506,11 @@ class Worker(PeerData):
         ts = self.state.tasks.get(key)
         if ts is None or ts.state != "executing" or ts not in self.state.executing:
             return  # sent back meanwhile: an input of an earlier Execute of this batch was lost
-        deps = self._inputs(key)
+        if ts.located is not None:  # it runs on where its inputs are, not on their values
+            deps: dict[Any, Any] | None = {k: shuffle.Location(k, tuple(holders), nbytes, segment)
+                                           for k, (holders, nbytes, segment) in ts.located.items()}
+        else:
+            deps = self._inputs(key)
         if deps is None:
             return
         payload = ts.payload

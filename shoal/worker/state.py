@@ -271,6 +271,9 @@ class WorkerState(Fetching):
                 return
             if ts.state in ("waiting", "ready", "executing"):
                 return  # already on it
+        if ev.locate:
+            self._locate(ts, ev)
+            return
         # an input nobody can send (not here, no other holder): give the task back, and
         # tell the scheduler when it believed this worker held the input
         unavailable = [k for k, holders in ev.who_has.items()
@@ -328,6 +331,22 @@ class WorkerState(Fetching):
             self._set_state(ts, "waiting")
         else:
             self._make_ready(ts)
+
+    def _locate(self, ts: WTask | None, ev: ComputeTaskEvent) -> None:
+        """A task that runs on where its inputs are (a shuffle's barrier): ready at
+        once, its inputs neither fetched nor held here."""
+        if ts is None:
+            ts = self.tasks[ev.key] = WTask(ev.key, seq=next(self._seq))
+        else:
+            self._drop_fetch(ts)
+        ts.origin = "compute"
+        ts.payload = ev.payload
+        ts.report = ev.report
+        ts.priority = tuple(ev.priority)
+        ts.resources = None
+        ts.located = {k: (list(holders), ev.nbytes.get(k, 0), ev.shm.get(k))
+                      for k, holders in ev.who_has.items() if k != ev.key}
+        self._make_ready(ts)
 
     def _free_keys(self, ev: FreeKeysEvent) -> None:
         pending = {ts for ts in map(self.tasks.get, ev.keys) if ts is not None}
@@ -388,7 +407,9 @@ class WorkerState(Fetching):
         ts = self._thread_done(ev.key)
         if ts is None:
             return
-        if ts.state == "executing":
+        if ts.state == "executing" and ev.reschedule:
+            self._send({"op": "reschedule", "key": ts.key})
+        elif ts.state == "executing":
             msg = {
                 "op": "task-erred", "key": ts.key, "exception": ev.exception,
                 "traceback": ev.traceback, "text": ev.text,

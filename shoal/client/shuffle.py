@@ -1,0 +1,112 @@
+"""shoal's shuffle in dask's planner: the method ``"shoal"``.
+
+dask lowers every all-to-all exchange of a dataframe (``shuffle``, a merge on columns,
+``set_index``/``sort_values``, a groupby's ``split_out``, ``drop_duplicates``) to a
+``Shuffle`` expression, whose ``_lower`` picks the graph by the method's name. dask's
+own names are "tasks", "disk", "p2p" (dask.distributed's) and "simple"; :func:`install`
+teaches it one more, ``"shoal"`` (``shuffle_method="shoal"``, or
+``dask.config.set({"dataframe.shuffle.method": "shoal"})``), lowered to
+:class:`ShoalShuffle`. Installing changes nothing for the other names.
+
+:class:`ShoalShuffle` makes ``2n + 1`` tasks for ``n`` partitions in and out (dask's
+task shuffle makes ``n log n`` at best, its simple one ``n²``): a split per input
+partition, one barrier that the scheduler runs without moving any data
+(``locate``), an assembly per output partition (see :mod:`shoal.worker.shuffle`).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from ..worker.shuffle import LOCATE_PREFIX, SPLIT_PREFIX, assemble, locate, split
+
+__all__ = ["METHOD", "install", "ShoalShuffle", "is_locate"]
+
+#: the method's name in dask's config and its ``shuffle_method=`` arguments
+METHOD = "shoal"
+
+_lock = threading.Lock()
+_installed = False
+
+
+def is_locate(func: Any) -> bool:
+    """Whether ``func`` is the function of a shuffle's barrier (a ``locate`` task)."""
+    return func is locate
+
+
+def install() -> bool:
+    """Teach dask's planner the method ``"shoal"`` (once; later calls do nothing).
+    Returns False when dask.dataframe cannot be imported (nothing to teach)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return True
+        try:
+            from dask.dataframe.dask_expr import _shuffle
+        except ImportError:
+            return False
+        _define(_shuffle)
+        original = _shuffle.Shuffle._lower
+
+        @functools.wraps(original)
+        def _lower(self: Any) -> Any:
+            from dask.utils import get_default_shuffle_method
+
+            if (self.method or get_default_shuffle_method()) != METHOD:
+                return original(self)
+            frame = self.frame
+            if self.npartitions_out < frame.npartitions:
+                from dask.dataframe.dask_expr._repartition import Repartition
+
+                frame = Repartition(frame, new_partitions=self.npartitions_out)
+            return ShoalShuffle(frame, self.partitioning_index, self.npartitions_out, self.ignore_index,
+                                self.options, self.original_partitioning_index)
+
+        _shuffle.Shuffle._lower = _lower
+        _installed = True
+        return True
+
+
+ShoalShuffle: Any = None
+
+
+def _define(_shuffle: Any) -> None:
+    """Define :class:`ShoalShuffle` on dask's ``SimpleShuffle`` (imported late: dask is
+    an optional dependency)."""
+    global ShoalShuffle
+    from dask._task_spec import Task, TaskRef
+
+    class _ShoalShuffle(_shuffle.SimpleShuffle):
+        """A shuffle in ``2n + 1`` tasks: split each input partition where it is, find
+        where the splits are, assemble each output partition from them (module
+        docstring)."""
+
+        def _layer(self) -> dict[Any, Any]:
+            token = self._name.split("-")[-1]
+            split_name = f"{SPLIT_PREFIX}-{token}"
+            locate_key = f"{LOCATE_PREFIX}-{token}"
+            column = self.partitioning_index
+            if isinstance(column, list):
+                if len(column) != 1:
+                    raise ValueError(f"shoal's shuffle partitions by one column of output numbers, not {column!r}")
+                column = column[0]
+            n_out = self.npartitions_out
+            dsk: dict[Any, Any] = {}
+            refs = []
+            for i in range(self.frame.npartitions):
+                t = Task((split_name, i), split, TaskRef((self.frame._name, i)), column, n_out)
+                dsk[t.key] = t
+                refs.append(t.ref())
+            barrier = Task(locate_key, locate, *refs)
+            dsk[barrier.key] = barrier
+            meta = self.frame._meta
+            parts_out = self._partitions if self._filtered else range(n_out)
+            for j, part in enumerate(parts_out):
+                t = Task((self._name, j), assemble, barrier.ref(), part, meta)
+                dsk[t.key] = t
+            return dsk
+
+    _ShoalShuffle.__name__ = _ShoalShuffle.__qualname__ = "ShoalShuffle"
+    ShoalShuffle = _ShoalShuffle
