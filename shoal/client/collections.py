@@ -2,9 +2,9 @@
 
 Graphs go through dask's own conversion (:mod:`.graphs`); collections are optimized and
 lowered by dask on the client, as ``dask.compute`` does, then submitted as one graph.
-Lowering picks the methods of shuffles and rechunks: it happens under shoal's choice of
-them, and a graph that keeps data on one worker's disk is refused on a cluster that
-spans hosts (:mod:`.dask_methods`).
+Lowering picks the methods of shuffles and rechunks: an open client has dask pick
+methods right on any cluster, and a graph that keeps data on one worker's disk is
+refused on a cluster that spans hosts (:mod:`.dask_methods`).
 """
 
 from __future__ import annotations
@@ -73,12 +73,11 @@ class DaskCollections:
             if not dask.is_dask_collection(coll):
                 out.append(coll)
                 continue
-            with dask_methods.chosen():
-                expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
-                keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
-                if len(keys) != 1:
-                    raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-                graph = graphs.prepare(expr, keys)
+            expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
+            keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
+            if len(keys) != 1:
+                raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
+            graph = graphs.prepare(expr, keys)
             stores = self._check_stores(graph)
             parts = graph.parts() if len(colls) == 1 and not stores else None
             future = Future(keys[0], self._client)
@@ -120,14 +119,13 @@ class DaskCollections:
         dask_colls = [c for c in colls if dask.is_dask_collection(c)]
         if not dask_colls:
             return collections
-        with dask_methods.chosen():
-            expr = collections_to_expr(dask_colls, optimize_graph).optimize()
-            per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
-                        for k in expr.__dask_keys__()]
-            if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
-                per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
-            all_keys = [k for ks in per_coll for k in ks]
-            graph = graphs.prepare(expr, all_keys)
+        expr = collections_to_expr(dask_colls, optimize_graph).optimize()
+        per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
+                    for k in expr.__dask_keys__()]
+        if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
+            per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
+        all_keys = [k for ks in per_coll for k in ks]
+        graph = graphs.prepare(expr, all_keys)
         stores = self._check_stores(graph)
         tasks = graph.tasks()
         apply_annotations(tasks, _annotations(expr), options)
@@ -157,8 +155,7 @@ class DaskCollections:
         # graph of that computation reads other frames' divisions), and would stall
         # the loop meanwhile.
         options = call_options(workers, resources, priority, retries, allow_other_workers)
-        with dask_methods.chosen():  # (a collection given as it is is lowered here)
-            graph = graphs.prepare(dsk, keys)
+        graph = graphs.prepare(dsk, keys)
         stores = self._check_stores(graph)
         tasks, flat_keys = graph.tasks(), graph.wanted
         apply_annotations(tasks, _annotations(dsk), options)

@@ -2,36 +2,38 @@
 
 dask picks how to shuffle a dataframe (``shuffle``, ``merge``, ``set_index``,
 ``sort_values``, a groupby's or ``drop_duplicates``' ``split_out``) and how to rechunk
-an array when it lowers the expression: mostly inside ``.compute()``, before any
-scheduler sees the graph. Finding no dask.distributed client it picks ``"disk"`` for
-dataframes: a partd directory on the local disk of whichever worker runs the first
-task, which the other tasks then write into and read from by its path. That is right
-only while every worker sees that directory (one host) and no task runs twice (a split
-recomputed after a worker died appends its rows again). ``"tasks"`` is right on any
-cluster, so until shoal has a shuffle of its own, dask is made to pick it:
+an array when it lowers the expression: mostly inside ``.compute()`` or
+``dask.compute()``, before any scheduler sees the graph; a bag's ``groupby`` picks its
+method when it is made. Finding no dask.distributed client it picks ``"disk"`` for
+dataframes and bags: a partd directory on the local disk of whichever worker runs the
+first task, which the other tasks then append to and read from by its path. That is
+right only while every worker sees that directory (one host) and no task of it runs
+twice (a split run again appends its rows again; the store made again is empty).
+``"tasks"`` is right on any cluster, so until shoal has a shuffle of its own:
 
-- while a shoal client is the default, or one lowers a collection
-  (``client.compute``/``persist``/``get``), dask's config holds ``"tasks"`` for each
-  method the user left unset (:func:`hold`, :func:`release`, :func:`chosen`); when
+- while any shoal client is open (default or not: ``dask.compute(x,
+  scheduler=client.get)`` lowers ``x`` before it calls the client), dask's config holds
+  ``"tasks"`` for each method the user left unset (:func:`hold`, :func:`release`; a
+  client holds from the moment it is connected until it closes or is collected); when
   the last holder lets go, each setting still at shoal's choice goes back to what it
   was;
-- a graph that still makes a partd store (``method="disk"`` asked for, or a graph
-  lowered elsewhere) is refused when the cluster's workers span hosts
+- a graph that still makes a partd store (``method="disk"`` asked for, or a graph made
+  while no client was open) is refused when the cluster's workers span hosts
   (:func:`local_stores`, :func:`refusal`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..comm.core import parse_address
 from ..errors import GraphError
 
-__all__ = ["METHODS", "chosen", "hold", "release", "local_stores", "refusal", "fail_with"]
+__all__ = ["METHODS", "hold", "release", "hold_while", "local_stores", "refusal", "fail_with"]
 
 #: dask config key -> the method shoal has dask use when the user set none
 METHODS = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
@@ -93,6 +95,15 @@ def release() -> None:
                 cfg.set({key: value})
 
 
+def hold_while(owner: object) -> Callable[[], Any]:
+    """:func:`hold` for as long as ``owner`` (a client) lives. Returns the function
+    that lets go: the first call releases, later ones do nothing (from any thread);
+    it is called on its own when ``owner`` is garbage-collected, or at the
+    interpreter's exit."""
+    hold()
+    return weakref.finalize(owner, release)
+
+
 def _remove(config: dict[str, Any], path: list[str]) -> None:
     """Take ``path`` (a key split at its dots) out of dask's nested ``config``."""
     for part in path[:-1]:
@@ -100,17 +111,6 @@ def _remove(config: dict[str, Any], path: list[str]) -> None:
         if not isinstance(config, dict):
             return
     config.pop(path[-1], None)
-
-
-@contextlib.contextmanager
-def chosen() -> Iterator[None]:
-    """A block in which dask picks :data:`METHODS` for the methods the user left
-    unset (what lowering a collection for a shoal cluster needs)."""
-    hold()
-    try:
-        yield
-    finally:
-        release()
 
 
 # -- graphs that keep data on a worker's local disk

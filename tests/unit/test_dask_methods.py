@@ -4,6 +4,7 @@ methods, the partd stores found in dask graphs, and which workers count as one h
 from __future__ import annotations
 
 import copy
+import gc
 
 import dask
 import dask.bag as db
@@ -40,17 +41,41 @@ def test_holding_sets_the_unset_methods_and_releasing_restores_the_config_exactl
 
 def test_the_users_choice_stands_before_and_while_shoal_holds():
     with dask.config.set({SHUFFLE: "disk"}):
-        with dask_methods.chosen():
+        dask_methods.hold()
+        try:
             assert dask.config.get(SHUFFLE) == "disk" and dask.config.get(RECHUNK) == "tasks"
+        finally:
+            dask_methods.release()
         assert dask.config.get(SHUFFLE) == "disk" and dask.config.get(RECHUNK) is None
     with dask.config.set({SHUFFLE: None}):
-        with dask_methods.chosen():
+        dask_methods.hold()
+        try:
             with dask.config.set({SHUFFLE: "disk"}):
                 assert dask.config.get(SHUFFLE) == "disk"
             assert dask.config.get(SHUFFLE) == "tasks"
             dask.config.set({RECHUNK: "p2p"})  # the user's, for good
+        finally:
+            dask_methods.release()
         assert dask.config.get(SHUFFLE) is None and dask.config.get(RECHUNK) == "p2p"
         dask.config.set({RECHUNK: None})
+
+
+class _Owner:
+    """Stands for a client: something that lives for a while."""
+
+
+def test_an_owner_holds_until_it_lets_go_once_or_is_collected():
+    before = copy.deepcopy(dask.config.config)
+    first, second = _Owner(), _Owner()
+    let_go_first = dask_methods.hold_while(first)
+    dask_methods.hold_while(second)
+    assert dask.config.get(SHUFFLE) == "tasks"
+    let_go_first()
+    let_go_first()  # a second time (a close after a failed start, say): nothing more is released
+    assert dask.config.get(SHUFFLE) == "tasks"  # the second owner still holds
+    del second  # collected without letting go: its hold goes with it
+    gc.collect()
+    assert dask.config.config == before
 
 
 def _frame() -> dd.DataFrame:
