@@ -158,6 +158,11 @@ class TaskState:
     nbytes: int = -1
     retries: int = 0
     suspicious: int = 0
+    #: why it may run only once ("": it may run again): once sent to a worker, it errs
+    #: (``RunOnce``) rather than go to a worker again, and it is not retried
+    once: str = ""
+    #: it was sent to a worker to run (at least once)
+    sent: bool = False
     #: reports, from workers sent to fetch it, that its one holder did not hand the
     #: value out (since that holder became one)
     unserved: int = 0
