@@ -162,8 +162,8 @@ def test_dask_lowers_to_the_tasks_shuffle_under_any_open_client(cluster: LocalCl
         for coll in (df.shuffle("k"), df.merge(_ddf(_right(), 3), on="k"), df.groupby("k").v.sum(split_out=4)):
             names = _lowered_names(coll)
             assert "split-taskshuffle" in names and "zpartd" not in names, names
-        bag = db.from_sequence(range(20), npartitions=2).groupby(lambda i: i % 3)
-        assert not [k for k in dict(bag.__dask_graph__()) if str(k[0] if isinstance(k, tuple) else k).startswith("partd")]
+        bag = db.from_sequence(range(20), npartitions=2).groupby(lambda i: i % 3)  # (its method picked now)
+        assert not {n for n in _lowered_names(bag) if n.startswith(("partd", "groupby-part"))}
     assert "zpartd" in _lowered_names(df.shuffle("k"))
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from scheduler_harness import Sched, computes, frees, msgs, task, without_user_data
 
+from shoal.scheduler.state import NewTask
+
 WHY = "its rows went into a store on disk"
 
 
@@ -103,15 +105,16 @@ def test_a_once_task_that_raises_is_not_retried(s: Sched) -> None:
 
 
 def _disk_shuffle(s: Sched) -> None:
-    """The shape of dask's disk shuffle: a store, splits that append their input's
-    rows to it, a barrier, and collects that read it back (those three once); the
-    splits placed on w1 and w2."""
+    """The shape of dask's disk shuffle, as the client marks it: a store and splits
+    that append their input's rows to it (once), a barrier, and collects that read it
+    back (they may run again while the store is there); the splits placed on w1 and
+    w2."""
     s.submit(
         task("store", workers=["w1"], once=WHY),
         task("i0", workers=["w1"]), task("i1", workers=["w2"]),
         task("x0", "store", "i0", workers=["w1"], once=WHY), task("x1", "store", "i1", workers=["w2"], once=WHY),
         task("barrier", "x0", "x1"),
-        task("c0", "store", "barrier", once=WHY), task("c1", "store", "barrier", once=WHY),
+        task("c0", "store", "barrier"), task("c1", "store", "barrier"),
         task("out", "c0", "c1"),
         wanted=["out"])
 
@@ -157,13 +160,31 @@ def test_a_disk_shuffle_is_done_with_when_a_worker_goes_after_it(s: Sched) -> No
     assert [m["key"] for _, m in msgs(out, "key-in-memory")] == ["out"]
 
 
-def test_a_lost_value_read_from_a_disk_shuffle_errs_when_needed_again(s: Sched) -> None:
-    """The collects, which read the store, run once too: a second run would need the
-    store, which is gone (and whose own second run would make it empty)."""
+def test_a_lost_value_read_from_a_disk_shuffle_errs_when_the_store_is_needed_again(s: Sched) -> None:
+    """The collects may run again, but they need the store, released once they were
+    done: a second run of it (an empty store) may not be."""
     _shuffled(s)
     out = s.remove_worker("w1")
     assert computes(out) == []
-    assert_run_once(erred(out)["out"], "c0", "its value was lost with its worker, and is needed again")
+    assert_run_once(erred(out)["out"], "store", "its value was lost with its worker, and is needed again")
+
+
+def test_a_collect_whose_worker_dies_runs_again_while_the_store_is_there(s: Sched) -> None:
+    s.add_worker("w1", nthreads=2)
+    s.add_worker("w2", nthreads=2)
+    s.submit(
+        task("store", workers=["w1"], once=WHY),
+        task("x0", "store", workers=["w1"], once=WHY), task("x1", "store", workers=["w2"], once=WHY),
+        task("barrier", "x0", "x1", workers=["w1"]),
+        NewTask("c0", "payload-c0", ["store", "barrier"], ["w2"], loose_restrictions=True),
+        wanted=["c0"])
+    for worker, key in (("w1", "store"), ("w1", "x0"), ("w2", "x1"), ("w1", "barrier")):
+        s.finish(worker, key)
+    assert s.on("c0") == "w2"
+    out = s.remove_worker("w2")
+    assert computes(out) == [("w1", "c0")] and not erred(out)
+    out = s.finish("w1", "c0")
+    assert [m["key"] for _, m in msgs(out, "key-in-memory")] == ["c0"]
 
 
 def test_validate_finds_a_once_task_waiting_to_run_again(s: Sched) -> None:
