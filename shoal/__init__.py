@@ -31,7 +31,7 @@ from .protocol import (
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CancelledError, GraphError, InvalidKeyError, KilledWorker, LostDataError
+from .errors import CancelledError, GraphError, InvalidKeyError, KilledWorker, LostDataError, RunOnceError
 
 if TYPE_CHECKING:
     from .client import Client, Future, as_completed, wait
@@ -138,6 +138,7 @@ __all__ = [
     "InvalidKeyError",
     "KilledWorker",
     "LostDataError",
+    "RunOnceError",
     "CommBrokenError",
     "CommClosedError",
     "CommConnectError",

@@ -21,6 +21,8 @@
     │                              ValueError: wrong type, NaN, out of range, too deep)
     ├── KilledWorker               a task was running on too many workers that died
     ├── LostDataError              a value that cannot be recomputed was lost
+    │   └── RunOnceError           a task that may run only once would have had to run
+    │                              again (dask's "disk" shuffle after a worker was lost)
     ├── CancelledError             the future's task was cancelled (also a
     │                              concurrent.futures.CancelledError)
     ├── ShuffleError               shoal's shuffle cannot go on (a split's value is
@@ -60,6 +62,7 @@ __all__ = [
     "InvalidKeyError",
     "KilledWorker",
     "LostDataError",
+    "RunOnceError",
     "CancelledError",
     "ShuffleError",
     "Reschedule",
@@ -145,6 +148,14 @@ class KilledWorker(ShoalError):
 
 class LostDataError(ShoalError):
     """A value placed on workers directly (``scatter``) was lost with its last worker."""
+
+
+class RunOnceError(LostDataError):
+    """A task that may run only once (its graph said so, and why) would have had to run
+    again: its worker died or left while it ran, or its value was lost and is needed
+    again. It errs instead, and so does everything built on it; the error says why the
+    task may not run twice (dask's "disk" shuffle: a split run again would append its
+    rows again)."""
 
 
 class CancelledError(ShoalError, concurrent.futures.CancelledError):

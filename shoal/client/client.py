@@ -35,7 +35,7 @@ from ..rpc import BatchedSend, ConnectionPool, PooledRPC, read_batch, send_heart
 from .cluster_ops import ClusterOps
 from .diagnostics import TaskStreamMethods
 from .collections import DaskCollections
-from . import graphs
+from . import dask_methods, graphs
 from ..worker.context import waiting
 from .default import set_default, unset_default
 from .plugins import Plugins
@@ -118,6 +118,8 @@ class Client(Gathering, Submitting, DaskCollections, PublishedDatasets, Plugins,
         self._pickles_tasks = True
         #: the scheduler's dashboard link, as it said when this client registered
         self._dashboard_link: str | None = None
+        #: lets go of dask's methods, held while this client is open (see _start)
+        self._dask_methods: Callable[[], Any] | None = None
         if not asynchronous:
             # A client of a cluster running in this process shares the cluster's loop:
             # client and scheduler then talk on one thread (no wake-ups between them).
@@ -190,6 +192,11 @@ class Client(Gathering, Submitting, DaskCollections, PublishedDatasets, Plugins,
             info = await self._scheduler_rpc().scheduler_info()
             self._pickles_tasks = any(not str(w).startswith("inproc://") for w in info.get("workers") or ())
         self.status = "running"
+        if self._dask_methods is None:
+            # dask lowers a collection before any scheduler sees it, also one it is to
+            # run with this client as ``scheduler=``: from now on until this client
+            # closes (or is collected), dask picks shuffles right on any cluster
+            self._dask_methods = dask_methods.hold_while(self)
         if self.set_as_default:
             set_default(self)
         return self
@@ -235,6 +242,7 @@ class Client(Gathering, Submitting, DaskCollections, PublishedDatasets, Plugins,
             if thread.loop.is_closed():
                 closing.close()
                 unset_default(self)
+                self._let_go_of_dask()
                 self._mark_closed()
                 self.status = "closed"
             else:
@@ -248,6 +256,7 @@ class Client(Gathering, Submitting, DaskCollections, PublishedDatasets, Plugins,
             return
         self.status = "closing"
         unset_default(self)
+        self._let_go_of_dask()
         if self._heartbeats is not None:
             self._heartbeats.cancel()
         self._flush_outbox()
@@ -273,6 +282,12 @@ class Client(Gathering, Submitting, DaskCollections, PublishedDatasets, Plugins,
         if self._own_cluster and self.cluster is not None:
             await self.cluster._close()
         self.status = "closed"
+
+    def _let_go_of_dask(self) -> None:
+        """This client no longer holds dask's methods (:mod:`.dask_methods`)."""
+        if self._dask_methods is not None:
+            self._dask_methods()  # (once: later calls do nothing)
+            self._dask_methods = None
 
     def _mark_closed(self) -> None:
         for st in list(self._states.values()):

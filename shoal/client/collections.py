@@ -2,9 +2,10 @@
 
 Graphs go through dask's own conversion (:mod:`.graphs`); collections are optimized and
 lowered by dask on the client, as ``dask.compute`` does, then submitted as one graph.
-Lowering picks the methods of shuffles and rechunks: it happens under shoal's choice of
-them, and a graph that keeps data on one worker's disk is refused on a cluster that
-spans hosts (:mod:`.dask_methods`).
+Lowering picks the methods of shuffles and rechunks: an open client has dask pick
+methods right on any cluster. A graph that keeps data on one worker's disk (dask's
+"disk" shuffle) is refused on a cluster that spans hosts, and on one host the tasks
+that make or use that data are sent to run at most once (:mod:`.dask_methods`).
 """
 
 from __future__ import annotations
@@ -73,27 +74,26 @@ class DaskCollections:
             if not dask.is_dask_collection(coll):
                 out.append(coll)
                 continue
-            with dask_methods.chosen():
-                expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
-                keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
-                if len(keys) != 1:
-                    raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
-                graph = graphs.prepare(expr, keys)
-            stores = self._check_stores(graph)
+            expr = FinalizeCompute(collections_to_expr([coll], optimize_graph)).optimize()
+            keys = graphs.flatten_keys(list(expr.__dask_keys__()), [])
+            if len(keys) != 1:
+                raise ValueError(f"expected one result key for {type(coll).__name__}, got {len(keys)}")
+            graph = graphs.prepare(expr, keys)
+            stores = self._local_stores(graph)
             parts = graph.parts() if len(colls) == 1 and not stores else None
             future = Future(keys[0], self._client)
-            if stores:  # (an asynchronous client's: checked before it is sent)
-                graph_tasks = graph.tasks()
-                apply_annotations(graph_tasks, _annotations(expr), options)
-                self._submit_when_checked(graph_tasks, [keys[0]], stores)
-            elif parts is not None:
+            if parts is not None:
                 # a big graph: its first part runs while the client makes the rest
-                self._submit_parts(_annotated(parts, _annotations(expr), options))
+                self._submit_parts(_annotated(parts, _annotations(expr, graph.renamed), options))
             else:
                 graph_tasks = graph.tasks()
-                apply_annotations(graph_tasks, _annotations(expr), options)
-                tasks.extend(graph_tasks)
-                wanted.append(keys[0])
+                apply_annotations(graph_tasks, _annotations(expr, graph.renamed), options)
+                dask_methods.mark_once(graph_tasks, stores)
+                if stores and self._client.asynchronous:  # (checked before it is sent)
+                    self._submit_when_checked(graph_tasks, [keys[0]], stores)
+                else:
+                    tasks.extend(graph_tasks)
+                    wanted.append(keys[0])
             out.append(future)
         if tasks:
             self._submit_tasks(tasks, wanted)
@@ -120,22 +120,18 @@ class DaskCollections:
         dask_colls = [c for c in colls if dask.is_dask_collection(c)]
         if not dask_colls:
             return collections
-        with dask_methods.chosen():
-            expr = collections_to_expr(dask_colls, optimize_graph).optimize()
-            per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
-                        for k in expr.__dask_keys__()]
-            if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
-                per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
-            all_keys = [k for ks in per_coll for k in ks]
-            graph = graphs.prepare(expr, all_keys)
-        stores = self._check_stores(graph)
+        expr = collections_to_expr(dask_colls, optimize_graph).optimize()
+        per_coll = [graphs.flatten_keys(list(k) if isinstance(k, (list, tuple)) else [k], [])
+                    for k in expr.__dask_keys__()]
+        if len(per_coll) != len(dask_colls):  # one collection: its keys come unnested
+            per_coll = [graphs.flatten_keys(list(expr.__dask_keys__()), [])]
+        all_keys = [k for ks in per_coll for k in ks]
+        graph = graphs.prepare(expr, all_keys)
+        stores = self._local_stores(graph)
         tasks = graph.tasks()
-        apply_annotations(tasks, _annotations(expr), options)
+        apply_annotations(tasks, _annotations(expr, graph.renamed), options)
         futures = {k: Future(k, self._client) for k in all_keys}
-        if stores:
-            self._submit_when_checked(tasks, all_keys, stores)
-        else:
-            self._submit_tasks(tasks, all_keys)
+        self._submit_graph(tasks, all_keys, stores)
         rebuilt = iter(
             rebuild({k: futures[k] for k in ks}, *state)
             for (rebuild, state), ks in zip((c.__dask_postpersist__() for c in dask_colls), per_coll)
@@ -157,17 +153,13 @@ class DaskCollections:
         # graph of that computation reads other frames' divisions), and would stall
         # the loop meanwhile.
         options = call_options(workers, resources, priority, retries, allow_other_workers)
-        with dask_methods.chosen():  # (a collection given as it is is lowered here)
-            graph = graphs.prepare(dsk, keys)
-        stores = self._check_stores(graph)
+        graph = graphs.prepare(dsk, keys)
+        stores = self._local_stores(graph)
         tasks, flat_keys = graph.tasks(), graph.wanted
-        apply_annotations(tasks, _annotations(dsk), options)
+        apply_annotations(tasks, _annotations(dsk, graph.renamed), options)
         futures = [Future(k, self._client) for k in flat_keys]
         try:
-            if stores:
-                self._submit_when_checked(tasks, flat_keys, stores)
-            else:
-                self._submit_tasks(tasks, flat_keys)
+            self._submit_graph(tasks, flat_keys, stores)
         except BaseException:
             for f in futures:
                 f.release()
@@ -188,18 +180,30 @@ class DaskCollections:
 
     # -- graphs that keep data on a worker's disk (dask's "disk" shuffle)
 
-    def _check_stores(self, graph: graphs.Graph) -> list[Any]:
-        """Raise the refusal of ``graph`` (:func:`.dask_methods.refusal`) when it makes
-        a partd store and the cluster's workers span hosts; a synchronous client asks
-        the scheduler for its workers here. Returns the store keys an asynchronous
-        client still has to check (:meth:`_submit_when_checked`), else ``[]``."""
+    def _local_stores(self, graph: graphs.Graph) -> list[Any]:
+        """The keys of the tasks of ``graph`` that make a partd store, those tasks and
+        the ones that use a store given keys of their own
+        (:func:`.dask_methods.renew_stores`). A synchronous client raises the refusal
+        of the graph (:func:`.dask_methods.refusal`) here when the cluster's workers
+        span hosts (it asks the scheduler for them); an asynchronous client checks when
+        it sends the graph (:meth:`_submit_graph`)."""
         stores = dask_methods.local_stores(graph.nodes)
-        if not stores or self._client.asynchronous:
-            return stores
-        error = self._sync(self._store_refusal, stores)
-        if error is not None:
-            raise error
-        return []
+        if stores and not self._client.asynchronous:
+            error = self._sync(self._store_refusal, stores)
+            if error is not None:
+                raise error
+        return dask_methods.renew_stores(graph, stores)
+
+    def _submit_graph(self, tasks: list[dict[str, Any]], wanted: list[Any], stores: list[Any]) -> None:
+        """Send a dask graph's ``tasks``, those that make or write into its partd
+        ``stores`` marked to run at most once (:func:`.dask_methods.mark_once`); an
+        asynchronous client's graph with stores once they are checked
+        (:meth:`_submit_when_checked`)."""
+        dask_methods.mark_once(tasks, stores)
+        if stores and self._client.asynchronous:
+            self._submit_when_checked(tasks, wanted, stores)
+        else:
+            self._submit_tasks(tasks, wanted)
 
     async def _store_refusal(self, stores: list[Any]) -> GraphError | None:
         info = await self._client._scheduler_info()
@@ -246,12 +250,17 @@ def _annotated(parts: Iterator[tuple[list[dict[str, Any]], list[Any], list[Any]]
         yield tasks, wanted, held
 
 
-def _annotations(graph: Any) -> dict[str, dict[Any, Any]]:
-    """The per-key annotations of a dask expression or graph (none for a plain dict)."""
+def _annotations(graph: Any, renamed: dict[Any, Any]) -> dict[str, dict[Any, Any]]:
+    """The per-key annotations of a dask expression or graph (none for a plain dict),
+    under the new keys of the tasks ``renamed`` (old key -> new key)."""
     get = getattr(graph, "__dask_annotations__", None)
     if get is None:
         return {}
     try:
-        return dict(get() or {})
+        found = dict(get() or {})
     except Exception:  # annotations are hints: a graph that cannot give them still runs
         return {}
+    if renamed:
+        found = {name: {renamed.get(k, k): v for k, v in values.items()} if isinstance(values, dict) else values
+                 for name, values in found.items()}
+    return found

@@ -2,36 +2,48 @@
 
 dask picks how to shuffle a dataframe (``shuffle``, ``merge``, ``set_index``,
 ``sort_values``, a groupby's or ``drop_duplicates``' ``split_out``) and how to rechunk
-an array when it lowers the expression: mostly inside ``.compute()``, before any
-scheduler sees the graph. Finding no dask.distributed client it picks ``"disk"`` for
-dataframes: a partd directory on the local disk of whichever worker runs the first
-task, which the other tasks then write into and read from by its path. That is right
-only while every worker sees that directory (one host) and no task runs twice (a split
-recomputed after a worker died appends its rows again). ``"tasks"`` is right on any
-cluster, so until shoal has a shuffle of its own, dask is made to pick it:
+an array when it lowers the expression: mostly inside ``.compute()`` or
+``dask.compute()``, before any scheduler sees the graph; a bag's ``groupby`` picks its
+method when it is made. Finding no dask.distributed client it picks ``"disk"`` for
+dataframes and bags: a partd directory on the local disk of whichever worker runs the
+first task, which the other tasks then append to and read from by its path. That is
+right only while every worker sees that directory (one host) and no task of it runs
+twice (a split run again appends its rows again; the store made again is empty).
+``"tasks"`` is right on any cluster, so until shoal has a shuffle of its own:
 
-- while a shoal client is the default, or one lowers a collection
-  (``client.compute``/``persist``/``get``), dask's config holds ``"tasks"`` for each
-  method the user left unset (:func:`hold`, :func:`release`, :func:`chosen`); when
+- while any shoal client is open (default or not: ``dask.compute(x,
+  scheduler=client.get)`` lowers ``x`` before it calls the client), dask's config holds
+  ``"tasks"`` for each method the user left unset (:func:`hold`, :func:`release`; a
+  client holds from the moment it is connected until it closes or is collected); when
   the last holder lets go, each setting still at shoal's choice goes back to what it
   was;
-- a graph that still makes a partd store (``method="disk"`` asked for, or a graph
-  lowered elsewhere) is refused when the cluster's workers span hosts
-  (:func:`local_stores`, :func:`refusal`).
+- a graph that still makes a partd store (``method="disk"`` asked for, or a graph made
+  while no client was open) is refused when the cluster's workers span hosts
+  (:func:`local_stores`, :func:`refusal`); on one host the tasks that make or use a
+  store get keys of their own for each submission (:func:`renew_stores`), and those
+  that make or write into it are sent to run at most once (:func:`mark_once`): should
+  one of them have to run again (its worker died while it ran, its value was lost),
+  the scheduler errs what is built on it with :class:`~shoal.errors.RunOnceError`,
+  saying why (:data:`ONCE`), where running it again would have given a wrong result.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..comm.core import parse_address
 from ..errors import GraphError
 
-__all__ = ["METHODS", "chosen", "hold", "release", "local_stores", "refusal", "fail_with"]
+if TYPE_CHECKING:
+    from .graphs import Graph
+
+__all__ = ["METHODS", "hold", "release", "hold_while", "local_stores", "refusal", "fail_with", "ONCE",
+           "mark_once", "renew_stores"]
 
 #: dask config key -> the method shoal has dask use when the user set none
 METHODS = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
@@ -93,6 +105,15 @@ def release() -> None:
                 cfg.set({key: value})
 
 
+def hold_while(owner: object) -> Callable[[], Any]:
+    """:func:`hold` for as long as ``owner`` (a client) lives. Returns the function
+    that lets go: the first call releases, later ones do nothing (from any thread);
+    it is called on its own when ``owner`` is garbage-collected, or at the
+    interpreter's exit."""
+    hold()
+    return weakref.finalize(owner, release)
+
+
 def _remove(config: dict[str, Any], path: list[str]) -> None:
     """Take ``path`` (a key split at its dots) out of dask's nested ``config``."""
     for part in path[:-1]:
@@ -100,17 +121,6 @@ def _remove(config: dict[str, Any], path: list[str]) -> None:
         if not isinstance(config, dict):
             return
     config.pop(path[-1], None)
-
-
-@contextlib.contextmanager
-def chosen() -> Iterator[None]:
-    """A block in which dask picks :data:`METHODS` for the methods the user left
-    unset (what lowering a collection for a shoal cluster needs)."""
-    hold()
-    try:
-        yield
-    finally:
-        release()
 
 
 # -- graphs that keep data on a worker's local disk
@@ -182,6 +192,82 @@ def _ip(address: str) -> str:
     if scheme not in ("tcp", "tls"):
         return ""
     return location.rpartition(":")[0].strip("[]")
+
+
+#: why the tasks of dask's disk shuffle that make its store or write into it run at
+#: most once (the end of the error the scheduler gives when one would have run again)
+ONCE = ("dask's 'disk' shuffle keeps its rows in a directory that its tasks append to and read back, and "
+        "cannot redo part of its work after a worker was lost (a split run again appends its rows again; the "
+        "store made again is empty). Use the 'tasks' method (shuffle_method='tasks', a bag's shuffle='tasks', "
+        "dask.config.set({'dataframe.shuffle.method': 'tasks'})), or leave the method unset: shoal then has "
+        "dask use 'tasks'")
+
+
+def renew_stores(graph: Graph, stores: list[Any]) -> list[Any]:
+    """Give the tasks of ``graph`` that make one of the partd ``stores`` or take one
+    as an input keys of their own for this submission (wanted keys excepted), in the
+    tasks that refer to them too; returns the stores' keys now.
+
+    shoal takes two tasks of one key for one: a worker that holds a value of that key
+    (a copy it fetched), or still runs a task of it (told to drop it: a thread cannot
+    be stopped), answers a new task of the key with it. That is right for a task that
+    gives the same value whenever it runs, not for these: a graph of the same keys
+    made again (a bag's groupby has the same keys each time it is made; a retry after
+    an error, say) would find the store of an earlier run, with that run's rows in
+    it, or a split of that run standing for its own. (dask gives the tasks of a
+    dataframe's disk shuffle new keys each time it lowers one; a bag's keep theirs.)
+    The collects that are wanted keep their keys: a value of an earlier run was read
+    from a whole store, and is the same."""
+    if not stores:
+        return stores
+    made = set(stores)
+    wanted = set(graph.wanted)
+    suffix = uuid.uuid4().hex
+    new = {key: _fresh(key, suffix) for key, node in graph.nodes.items()
+           if (key in made or not made.isdisjoint(node.dependencies)) and key not in wanted}
+    graph.rename(new)
+    return [new.get(key, key) for key in stores]
+
+
+def _fresh(key: Any, suffix: str) -> Any:
+    """``key`` made unique with ``suffix``, its name (what the dashboard groups by)
+    kept."""
+    if type(key) is tuple and key and type(key[0]) is str:
+        return (f"{key[0]}-{suffix}", *key[1:])
+    if type(key) is str:
+        return f"{key}-{suffix}"
+    return (f"once-{suffix}", key)
+
+
+def mark_once(tasks: list[dict[str, Any]], stores: list[Any]) -> None:
+    """Mark the tasks of ``tasks`` (``update-graph`` tasks) that make one of the
+    partd ``stores`` (:func:`local_stores`) or write into one to run at most once
+    (``once``: :data:`ONCE`). A store's writers (its splits) are the tasks that take
+    it as an input and come before the others that do (its collects, which read it
+    back once every split is in): a collect may run again, as long as the store and
+    what it waited for are there; should those have to be made again, their own
+    tasks err instead."""
+    if not stores:
+        return
+    dependents: dict[Any, list[Any]] = {}
+    for t in tasks:
+        for d in t["deps"]:
+            dependents.setdefault(d, []).append(t["key"])
+    once = set(stores)
+    for store in stores:
+        users = set(dependents.get(store, ()))
+        # the tasks built on a user of this store: its users among them read it back
+        after: set[Any] = set()
+        stack = [k for u in users for k in dependents.get(u, ())]
+        while stack:
+            key = stack.pop()
+            if key not in after:
+                after.add(key)
+                stack.extend(dependents.get(key, ()))
+        once |= users - after
+    for t in tasks:
+        if t["key"] in once:
+            t["once"] = ONCE
 
 
 def fail_with(error: BaseException) -> None:

@@ -5,9 +5,9 @@ A client made with ``set_as_default=True`` (the default, as in dask.distributed)
 becomes dask's scheduler while it is open (``dask.config`` ``scheduler`` set to its
 ``get``; ``dask.persist`` finds the client behind it). The most recent open default
 client wins; when it closes, the one before it is the default again, and when the
-last closes, dask's ``scheduler`` setting is what it was before the first. While
-there is a default client, dask's shuffles and rechunks use methods that are right on
-any cluster (:mod:`.dask_methods`).
+last closes, dask's ``scheduler`` setting is what it was before the first. (Every
+open client, default or not, has dask's shuffles and rechunks use methods that are
+right on any cluster: :mod:`.dask_methods`.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import importlib.util
 import threading
 from typing import TYPE_CHECKING, Any
-
-from . import dask_methods
 
 if TYPE_CHECKING:
     from .client import Client
@@ -45,10 +43,8 @@ def set_default(client: Client) -> None:
         if client in _defaults:
             _defaults.remove(client)
         cfg = _dask_config()
-        if first:
-            dask_methods.hold()
-            if cfg is not None:
-                _before[:] = [cfg.config.get("scheduler", _MISSING)]
+        if first and cfg is not None:
+            _before[:] = [cfg.config.get("scheduler", _MISSING)]
         _defaults.append(client)
         if cfg is not None:
             cfg.set(scheduler=client.get)
@@ -61,8 +57,6 @@ def unset_default(client: Client) -> None:
             return
         was_current = _defaults[-1] is client
         _defaults.remove(client)
-        if not _defaults:
-            dask_methods.release()
         cfg = _dask_config()
         if cfg is None or not was_current:
             return

@@ -153,6 +153,8 @@ class Graph:
                 raise KeyError(f"key {k!r} is not a valid key") from None
         self._legacy: dict[Hashable, Any] | None = None
         self.nodes: dict[Any, Any] = {}
+        #: keys given new ones (:meth:`rename`): old key -> new key
+        self.renamed: dict[Any, Any] = {}
         try:
             from dask._task_spec import convert_legacy_graph
         except ImportError:
@@ -167,6 +169,18 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self._legacy) if self._legacy is not None else len(self.nodes)
+
+    def rename(self, new: Mapping[Any, Any]) -> None:
+        """Give the tasks of the keys of ``new`` (key -> its new key; none of them
+        wanted) their new keys, in the tasks that refer to them too."""
+        nodes: dict[Any, Any] = {}
+        for key, node in self.nodes.items():
+            renamed = new.get(key, key)
+            if renamed != key or not new.keys().isdisjoint(node.dependencies):
+                node = node.substitute(new, key=renamed)
+            nodes[renamed] = node
+        self.nodes = nodes
+        self.renamed.update(new)
 
     def tasks(self) -> list[dict[str, Any]]:
         """Every task, in the order to run them."""

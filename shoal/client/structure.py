@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import GraphError, KilledWorker, LostDataError, RemoteError, SerializationError
+from ..errors import GraphError, KilledWorker, LostDataError, RemoteError, RunOnceError, SerializationError
 from ..taskspec import Ref
 from .future import Future, _unwrap
 
@@ -78,6 +78,8 @@ def rebuild_exception(msg: dict[str, Any]) -> BaseException:
             exc = GraphError(text.removeprefix("GraphError: "))
         elif kind == "LostData":
             exc = LostDataError(text.removeprefix("LostData: "))
+        elif kind == "RunOnce":
+            exc = RunOnceError(text.removeprefix("RunOnce: "))
         elif kind == "ValueError":
             exc = ValueError(text.removeprefix("ValueError: "))
         elif kind == "KeyError":

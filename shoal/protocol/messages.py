@@ -39,6 +39,7 @@ __all__ = [
     "segment_info",
     "resources_problem",
     "MAX_KEY_DEPTH",
+    "ONCE_MAX",
     "Key",
     "WORKER_TO_SCHEDULER",
     "SCHEDULER_TO_WORKER",
@@ -306,9 +307,16 @@ class TaskDef(msgspec.Struct, forbid_unknown_fields=False):
     allow_other_workers: bool = False
     #: the language of its payload (§4.6): it runs only on workers that run that language
     language: str = "python"
+    #: why it may run only once ("": it may run again): a task sent to a worker once
+    #: errs (``RunOnce``), with this text, instead of running a second time (§9.2)
+    once: str = ""
     #: it runs on where its inputs are, not on their values, and keeps them until it is
-    #: released (a barrier of shoal's shuffle, §9.3)
+    #: released (a barrier of shoal's shuffle, §9.2)
     locate: bool = False
+
+
+#: the longest ``once`` text of a task (:class:`TaskDef`)
+ONCE_MAX = 2000
 
 
 class UpdateGraphMsg(Msg, tag="update-graph"):
@@ -758,6 +766,9 @@ def _check_tasks(msg: UpdateGraphMsg) -> None:
         problem = language_problem(task.language)
         if problem is not None:
             raise ProtocolError(f"malformed 'update-graph': task {i}: language: {problem}")
+        if len(task.once) > ONCE_MAX:
+            raise ProtocolError(f"malformed 'update-graph': task {i}: once: {len(task.once)} characters, "
+                                f"at most {ONCE_MAX}")
 
 
 def for_destination(msg: Msg, destination: str) -> Msg | dict[str, Any]:

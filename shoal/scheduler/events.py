@@ -80,6 +80,8 @@ class NewTask:
     loose_restrictions: bool = False
     #: the language of its payload: it runs only on workers that run that language
     language: str = "python"
+    #: why it may run only once ("": it may run again; see ``TaskState.once``)
+    once: str = ""
     #: it runs on where its inputs are (a shuffle's barrier): see SchedulerState.locating
     locate: bool = False
 
@@ -108,7 +110,7 @@ class UpdateGraphEvent(Event):
         if len(self.tasks) > LOGGED_GRAPH_MAX:
             return UpdateGraphEvent(self.stimulus_id, self.client, [], [], omitted=len(self.tasks))
         tasks = [NewTask(t.key, DROPPED, t.dependencies, t.restrictions, t.retries, t.priority, t.resources,
-                         t.loose_restrictions, t.language, t.locate) for t in self.tasks]
+                         t.loose_restrictions, t.language, t.once, t.locate) for t in self.tasks]
         return UpdateGraphEvent(self.stimulus_id, self.client, tasks, self.wanted)
 
 

@@ -166,6 +166,11 @@ class TaskState:
     unserved: Few[str] = ()
     #: the holder the scheduler asked whether it holds the value (its answer awaited)
     checking: str | None = None
+    #: why it may run only once ("": it may run again): once sent to a worker, it errs
+    #: (``RunOnce``) rather than go to a worker again, and it is not retried
+    once: str = ""
+    #: it was sent to a worker to run (at least once)
+    sent: bool = False
     #: for erred tasks: the exception (opaque), its traceback text, and the task that raised
     exception: Any = None
     traceback: Any = None

@@ -113,7 +113,7 @@ class WorkerReports(Placement):
         if found is None:
             return
         ts, _ = found
-        if ts.retries > 0:
+        if ts.retries > 0 and not ts.once:
             ts.retries -= 1
             self._recommend(self._transition(ts, "waiting"))
         else:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -518,7 +519,8 @@ class Scheduler:
         match msg:
             case UpdateGraphMsg():
                 tasks = [NewTask(t.key, t.payload, t.deps, t.workers, t.retries, t.priority, t.resources or None,
-                                 t.allow_other_workers, t.language, t.locate) for t in msg.tasks]
+                                 t.allow_other_workers, t.language, sys.intern(t.once) if t.once else "", t.locate)
+                         for t in msg.tasks]
                 self._apply(UpdateGraphEvent(sid, client, tasks, msg.wanted))
             case ReleaseKeysMsg():
                 self._apply(ReleaseKeysEvent(sid, client, msg.keys))

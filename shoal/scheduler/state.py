@@ -23,7 +23,10 @@ Task states::
 - ``erred``: the task (or a dependency) raised; the exception stays opaque. The
   scheduler errs a task itself when it may only run on workers that are not (or no
   longer) in the cluster (``ValueError``), when it was running on ``allowed_failures``
-  workers that died (``KilledWorker``), and when a scattered value is lost (``LostData``).
+  workers that died (``KilledWorker``), when a scattered value is lost (``LostData``),
+  and when a task that may run only once (``once``: its graph says why) would have to
+  run a second time (``RunOnce``): its worker died, left or gave it back while it ran,
+  or its value was lost and is needed again. Such a task is not retried either.
 - ``released``: not computed, and no-one holds the value; ``forgotten`` tasks are
   dropped from the state once no client wants them and no dependent needs them.
 
@@ -474,6 +477,7 @@ class SchedulerState(WorkerReports):
             if t.resources:
                 ts.resources = dict(t.resources)
             ts.language = t.language
+            ts.once = t.once
             if t.locate:
                 self.locating.add(ts)
             tasks[key] = ts

@@ -132,6 +132,10 @@ class TaskTransitions:
             # data put on workers directly (scatter) cannot be recomputed
             text = f"LostData: the value of {ts.key!r} was lost with its worker and cannot be recomputed"
             return self._err(ts, None, None, text, kind="LostData")
+        if ts.once and ts.sent:
+            # every way to run a task again comes here (a dead worker's tasks, a lost
+            # value, a task given back or released while it ran): this one may not
+            return self._err(ts, None, None, _run_once_text(ts), kind="RunOnce")
         recs: dict[TaskState, str] = {}
         self._set_state(ts, "waiting")
         for dep in ts.dependencies:
@@ -171,6 +175,7 @@ class TaskTransitions:
 
     def _send_to(self, ts: TaskState, ws: WorkerState) -> None:
         self._set_state(ts, "processing")
+        ts.sent = True
         ts.processing_on = ws
         ws.processing.add(ts)
         if ts.resources:
@@ -546,6 +551,18 @@ _TRANSITIONS: dict[tuple[str, str], Callable[..., dict[TaskState, str]]] = {
     ("memory", "forgotten"): TaskTransitions._to_forgotten,
     ("erred", "forgotten"): TaskTransitions._to_forgotten,
 }
+
+
+def _run_once_text(ts: TaskState) -> str:
+    """The error of ``ts``, which may run only once, sent to a worker before and now to
+    run again."""
+    if ts.done:
+        why = "its value was lost with its worker, and is needed again"
+    elif ts.suspicious:
+        why = "its worker died while it ran"
+    else:
+        why = "its worker left, gave it back or was told to drop it while it ran"
+    return f"RunOnce: task {ts.key!r} may run only once, and it would have had to run again ({why}): {ts.once}"
 
 
 def release_resources(ws: WorkerState, resources: dict[str, float]) -> None:

@@ -31,7 +31,10 @@ def validate_state(state: SchedulerState) -> None:
             assert ts.who_wants or ts.waiters, f"{ts} in memory, but nobody needs it"
         else:
             assert not ts.who_has, f"{ts} not in memory but held by {ts.who_has}"
+        if ts.once and ts.state in ("waiting", "queued"):
+            assert not ts.sent, f"{ts} may run only once, and was sent to a worker before"
         if ts.state == "processing":
+            assert ts.sent, ts
             ws = ts.processing_on
             assert ws is not None and ts in ws.processing, ts
             assert state.workers.get(ws.address) is ws, ts

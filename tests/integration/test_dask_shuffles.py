@@ -85,6 +85,10 @@ def _by_dask_compute(client: Client, coll: Any) -> Any:
     return dask.compute(coll, scheduler=client.get)[0]
 
 
+def _by_dask_compute_client(client: Client, coll: Any) -> Any:
+    return dask.compute(coll, scheduler=client)[0]
+
+
 def _by_client_compute(client: Client, coll: Any) -> Any:
     return client.compute(coll).result(timeout=60)
 
@@ -105,6 +109,9 @@ ENTRIES = {
     "dask.persist": (True, _by_dask_persist),
     "client.compute-not-default": (False, _by_client_compute),
     "client.persist-not-default": (False, _by_client_persist),
+    # dask lowers the collection before it calls the client that is not the default
+    "dask.compute-scheduler-get-not-default": (False, _by_dask_compute),
+    "dask.compute-scheduler-client-not-default": (False, _by_dask_compute_client),
 }
 
 #: the key prefixes of the tasks that only dask's disk shuffles (dataframe, bag) make
@@ -122,14 +129,11 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-#: a bag's groupby picks its method when it is made (not when lowered): with no default
-#: client then, dask's disk shuffle (which shoal refuses only across hosts)
-_PAIRS = [(case, entry) for case in sorted(CASES) for entry in sorted(ENTRIES)
-          if case != "bag_groupby" or ENTRIES[entry][0]]
-
-
-@pytest.mark.parametrize(("case", "entry"), _PAIRS)
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_exchanges_are_right_by_every_entry_point(cluster: LocalCluster, case: str, entry: str) -> None:
+    """(A bag's groupby picks its method when it is made: here while the client is
+    open, default or not.)"""
     make, check = CASES[case]
     default, run = ENTRIES[entry]
     with Client(cluster, set_as_default=default) as client, shoal.get_task_stream(client) as ts:
@@ -138,23 +142,40 @@ def test_exchanges_are_right_by_every_entry_point(cluster: LocalCluster, case: s
     assert not _disk_tasks(ts.data), sorted(_disk_tasks(ts.data))
 
 
-def test_dask_lowers_to_the_tasks_shuffle_under_a_default_client(cluster: LocalCluster) -> None:
+def _lowered_names(coll: Any) -> set[str]:
+    """The key names (without their tokens) of ``coll``'s graph as dask lowers it in
+    ``dask.compute``."""
     from dask._expr import FinalizeCompute
     from dask.base import collections_to_expr
 
-    def lowered_names(coll: Any) -> set[str]:
-        expr = FinalizeCompute(collections_to_expr([coll], True)).optimize()
-        return {str(k[0] if isinstance(k, tuple) else k).rsplit("-", 1)[0] for k in dict(expr.__dask_graph__())}
+    expr = FinalizeCompute(collections_to_expr([coll], True)).optimize()
+    return {str(k[0] if isinstance(k, tuple) else k).rsplit("-", 1)[0] for k in dict(expr.__dask_graph__())}
 
+
+@pytest.mark.parametrize("default", [True, False], ids=["default", "not-default"])
+def test_dask_lowers_to_the_tasks_shuffle_under_any_open_client(cluster: LocalCluster, default: bool) -> None:
     df = _ddf(_left())
-    assert "zpartd" in lowered_names(df.shuffle("k"))  # dask's own choice, without shoal
-    with Client(cluster):
+    assert "zpartd" in _lowered_names(df.shuffle("k"))  # dask's own choice, without shoal
+    with Client(cluster, set_as_default=default):
         assert dask.config.get("dataframe.shuffle.method") == "tasks"
         assert dask.config.get("array.rechunk.method") == "tasks"
         for coll in (df.shuffle("k"), df.merge(_ddf(_right(), 3), on="k"), df.groupby("k").v.sum(split_out=4)):
-            names = lowered_names(coll)
+            names = _lowered_names(coll)
             assert "split-taskshuffle" in names and "zpartd" not in names, names
-    assert "zpartd" in lowered_names(df.shuffle("k"))
+        bag = db.from_sequence(range(20), npartitions=2).groupby(lambda i: i % 3)  # (its method picked now)
+        assert not {n for n in _lowered_names(bag) if n.startswith(("partd", "groupby-part"))}
+    assert "zpartd" in _lowered_names(df.shuffle("k"))
+
+
+async def test_an_asynchronous_client_that_is_not_the_default_holds_the_methods_while_open(
+        cluster: LocalCluster) -> None:
+    before = copy.deepcopy(dask.config.config)
+    async with Client(cluster.scheduler_address, asynchronous=True, set_as_default=False) as client:
+        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        coll = _ddf(_left()).shuffle("k")
+        assert "zpartd" not in _lowered_names(coll)
+        pd.testing.assert_frame_equal(_rows(await client.compute(coll)), _rows(_left()))
+    assert dask.config.config == before
 
 
 def test_a_method_the_user_chose_is_kept(cluster: LocalCluster) -> None:
@@ -186,9 +207,11 @@ def test_dask_config_is_as_it_was_after_the_clients_close(cluster: LocalCluster)
         _ddf(_left()).shuffle("k").compute(scheduler=outer.get)
     assert dask.config.config == before
     with Client(cluster, set_as_default=False) as aside:
-        assert dask.config.config == before  # not the default: dask's config is left alone
+        # not the default, but dask may lower a graph for it (scheduler=aside.get)
+        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert dask.config.get("scheduler", None) == before.get("scheduler")  # it is not dask's scheduler
         aside.compute(_ddf(_left()).shuffle("k")).result(timeout=60)
-        assert dask.config.config == before
+    assert dask.config.config == before
 
 
 # -- workers on two hosts: addresses of two IPs (127.0.0.1 and 127.0.0.2, both this

@@ -109,9 +109,9 @@ class Sched:
 
 
 def task(key: Any, *deps: Any, workers: list[str] | None = None, retries: int = 0, payload: Any = None,
-         language: str = "python") -> NewTask:
+         language: str = "python", once: str = "") -> NewTask:
     return NewTask(key, f"payload-{key}" if payload is None else payload, list(deps), workers, retries,
-                   language=language)
+                   language=language, once=once)
 
 
 def computes(out: list[Any]) -> list[tuple[str, Any]]:

@@ -56,7 +56,7 @@ def test_public_api_is_pinned():
     assert sorted(shoal.__all__) == sorted([
         "__version__", "Client", "Future", "LocalCluster", "SSHCluster", "SlurmCluster", "DeployError",
         "as_completed", "wait",
-        "CancelledError", "GraphError", "InvalidKeyError", "KilledWorker", "LostDataError",
+        "CancelledError", "GraphError", "InvalidKeyError", "KilledWorker", "LostDataError", "RunOnceError",
         "CommBrokenError", "CommClosedError", "CommConnectError", "CommError",
         "DeserializationError", "CorruptedDataError", "HandshakeError", "ProtocolError", "RemoteError",
         "SerializationError", "ShoalError",

@@ -76,6 +76,15 @@ def test_decode_names_the_op_and_the_field():
         M.decode(M.CLIENT_TO_SCHEDULER, {"op": "update-graph", "tasks": [{"key": 1 << 70}], "wanted": []})
 
 
+def test_a_task_says_why_it_may_run_only_once_in_a_bounded_text():
+    graph = {"op": "update-graph", "tasks": [{"key": "a"}, {"key": "b", "once": "a store on disk"}], "wanted": []}
+    a, b = M.decode(M.CLIENT_TO_SCHEDULER, graph).tasks  # type: ignore[attr-defined]
+    assert (a.once, b.once) == ("", "a store on disk")
+    graph["tasks"] = [{"key": "c", "once": "x" * (M.ONCE_MAX + 1)}]
+    with pytest.raises(ProtocolError, match=r"task 0: once: 2001 characters, at most 2000"):
+        M.decode(M.CLIENT_TO_SCHEDULER, graph)
+
+
 @pytest.mark.parametrize("priority", [[1, "a"], [1, 2.5], [None], "high", [[1]]])
 def test_a_compute_task_with_priorities_that_do_not_compare_is_refused(priority):
     """Priorities order a worker's ready tasks (a heap): mixed types would raise in

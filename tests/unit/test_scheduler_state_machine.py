@@ -127,7 +127,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 workers = [self.pick(list(self.h.state.workers), dep_idx[0] if dep_idx else 0)]
             elif restrict == 1:
                 workers = ["w-none"]
-            tasks.append(NewTask(key, f"payload-{key}", deps, workers, retries if retries < 2 else 0))
+            # restrict 2: a task that may run only once (it errs rather than run again)
+            tasks.append(NewTask(key, f"payload-{key}", deps, workers, retries if retries < 2 else 0,
+                                 once="once" if restrict == 2 else ""))
             keys.append(key)
         wanted = [t.key for t, (_, _, _, w) in zip(tasks, shape, strict=True) if w] or [keys[-1]]
         if existing:
