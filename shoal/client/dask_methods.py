@@ -67,6 +67,9 @@ def hold() -> None:
     """From now on until the matching :func:`release`, dask picks :data:`METHODS` for
     the methods the user left unset (``None`` or absent in dask's config)."""
     global _holders
+    from .shuffle import watch
+
+    watch()  # the method "shoal" is known to dask's planner while a client lives
     with _lock:
         _holders += 1
         if _holders > 1:

@@ -17,12 +17,15 @@ partition, one barrier that the scheduler runs without moving any data
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 import threading
 from typing import Any
 
 from ..worker.shuffle import LOCATE_PREFIX, SPLIT_PREFIX, assemble, locate, split
 
-__all__ = ["METHOD", "install", "ShoalShuffle", "is_locate"]
+__all__ = ["METHOD", "install", "watch", "ShoalShuffle", "is_locate"]
 
 #: the method's name in dask's config and its ``shuffle_method=`` arguments
 METHOD = "shoal"
@@ -34,6 +37,49 @@ _installed = False
 def is_locate(func: Any) -> bool:
     """Whether ``func`` is the function of a shuffle's barrier (a ``locate`` task)."""
     return func is locate
+
+
+#: the module of dask's planner that :func:`install` changes
+_PLANNER = "dask.dataframe.dask_expr._shuffle"
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Installs the method right after dask's planner is imported (without importing
+    dask.dataframe, and pandas, before a user does)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _PLANNER:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # (once; and the search below must not come here)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            install()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_watcher: _InstallOnImport | None = None
+
+
+def watch() -> None:
+    """Have the method installed: now if dask's planner is imported, else as soon as
+    it is."""
+    global _watcher
+    if _PLANNER in sys.modules:
+        install()
+        return
+    with _lock:
+        if _watcher is None and not _installed:
+            _watcher = _InstallOnImport()
+            sys.meta_path.insert(0, _watcher)
 
 
 def install() -> bool:
@@ -64,7 +110,7 @@ def install() -> bool:
             return ShoalShuffle(frame, self.partitioning_index, self.npartitions_out, self.ignore_index,
                                 self.options, self.original_partitioning_index)
 
-        _shuffle.Shuffle._lower = _lower
+        setattr(_shuffle.Shuffle, "_lower", _lower)  # noqa: B010 - (a method replaced)
         _installed = True
         return True
 

@@ -439,9 +439,10 @@ class TaskTransitions:
         where ``ts`` was)."""
         ts.inline = None
         self._set_state(ts, "released")
+        stale: list[TaskState] = []
         for dts in sorted(ts.dependents):
             if dts.state == "memory" and dts in self.locating:
-                self._relocate(dts, recs)
+                stale.append(dts)  # (after ts's own fate is decided: it waits for ts)
             elif dts.state == "waiting":
                 dts.wait_on(ts)
             elif dts.state == "queued":
@@ -459,6 +460,8 @@ class TaskTransitions:
             recs[ts] = "waiting"
         else:
             recs[ts] = "forgotten"
+        for dts in stale:
+            self._relocate(dts, recs)
 
     def _relocate(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
         """``ts``, a locate task in memory, lost an input: its value no longer says
@@ -473,7 +476,10 @@ class TaskTransitions:
                 for d in dts.dependencies:
                     if d.state != "memory":
                         dts.wait_on(d)
-        recs[ts] = "waiting" if any(d.state in _TO_RUN for d in ts.dependents) or ts.who_wants else "forgotten"
+        needed = any(d.state in _TO_RUN for d in ts.dependents) or ts.who_wants
+        # (straight to waiting: released on the way, its inputs it still waits for
+        # must not be forgotten before it waits for them again)
+        recs.update(self._transition(ts, "waiting" if needed else "forgotten"))
 
     def _add_replica(self, ts: TaskState, ws: WorkerState, shm: Any = None) -> None:
         """``ws`` holds ``ts``'s value too (with ``shm``: in that segment, which

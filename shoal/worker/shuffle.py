@@ -37,6 +37,8 @@ __all__ = ["Location", "split", "locate", "assemble", "rows_of", "SPLIT_PREFIX",
 #: ``get-slices`` serves values of split tasks only)
 SPLIT_PREFIX = "shoal-shuffle-split"
 LOCATE_PREFIX = "shoal-shuffle-locate"
+#: seconds an assembly waits before it gives itself back when a holder is unreachable
+UNREACHABLE_PAUSE = 0.5
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def assemble(locations: list[Location], index: int, meta: Any) -> Any:
     frames = [p for p in got if len(p)]
     if not frames:
         return got[0].iloc[:0] if got else meta
-    return frames[0] if len(frames) == 1 else pd.concat(frames, copy=False)
+    return frames[0] if len(frames) == 1 else pd.concat(frames)
 
 
 # -- on the worker (assemble's pulls, and the get-slices request)
@@ -158,6 +160,9 @@ async def _gather(worker: Any, locations: list[Location], index: int, mine: list
         for (holder, positions), result in zip(ask.items(), results):
             if isinstance(result, BaseException):
                 if isinstance(result, (CommError, OSError, asyncio.TimeoutError)):
+                    # the scheduler loses that worker (or has): the task comes back once
+                    # the splits it held are made again; a pause, not a spin, meanwhile
+                    await asyncio.sleep(UNREACHABLE_PAUSE)
                     raise Reschedule(f"cannot reach {holder} for its part of the shuffle: {result}") from result
                 raise result
             for pos in positions:

@@ -1,0 +1,135 @@
+"""``locate`` tasks on the scheduler's state (no IO): the barrier of shoal's shuffle runs
+on where its inputs are, keeps them while it is held, and runs again when one of them
+is lost, so that the outputs assembled after it never miss a split."""
+
+from __future__ import annotations
+
+from scheduler_harness import Sched, compute_of, computes, frees, without_user_data
+
+from shoal.scheduler.events import NewTask, RemoveWorkerEvent
+
+
+def t(key: str, *deps: str, locate: bool = False, on: str | None = None) -> NewTask:
+    # (``on``: a preference, as allow_other_workers=True: the worker may go)
+    return NewTask(key, f"payload-{key}", list(deps), [on] if on else None, loose_restrictions=True, locate=locate)
+
+
+def shuffle(s: Sched, n: int = 2) -> list[str]:
+    """Splits s0..s(n-1), a barrier L, assemblies a0..a(n-1) (wanted). Each split on
+    its own worker w0..w(n-1); returns the workers."""
+    workers = [f"w{i}" for i in range(n)]
+    for w in workers:
+        s.add_worker(w)
+    tasks = [t(f"s{i}", on=workers[i]) for i in range(n)] + [t("L", *[f"s{i}" for i in range(n)], locate=True)]
+    tasks += [t(f"a{j}", "L") for j in range(n)]
+    s.submit(*tasks, wanted=[f"a{j}" for j in range(n)])
+    for i in range(n):
+        s.finish(s.on(f"s{i}"), f"s{i}", nbytes=1000)
+    return workers
+
+
+def test_the_barrier_is_sent_with_locate_and_where_its_inputs_are():
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    s.submit(t("s0"), t("s1"), t("L", "s0", "s1", locate=True), wanted=["L"])
+    s.finish(s.on("s0"), "s0", nbytes=10)
+    out = s.finish(s.on("s1"), "s1", nbytes=20)
+    inst = compute_of(out, "L")
+    assert inst.locate
+    assert set(inst.who_has) == {"s0", "s1"} and inst.nbytes == {"s0": 10, "s1": 20}
+
+
+def test_the_splits_are_kept_while_the_barrier_is_and_freed_with_it():
+    s = Sched()
+    shuffle(s)
+    out = s.finish(s.on("L"), "L")
+    assert not frees(out), "the splits stay: the assemblies will read them"
+    assert s.states()["s0"] == s.states()["s1"] == "memory"
+    s.finish(s.on("a0"), "a0")
+    out = s.finish(s.on("a1"), "a1")
+    freed = set().union(*frees(out).values())
+    assert {"L", "s0", "s1"} <= freed, "the last assembly done: barrier and splits go"
+    assert s.states() == {"s0": "released", "s1": "released", "L": "released", "a0": "memory", "a1": "memory"}
+    s.release("a0", "a1")
+    assert not s.state.tasks and not s.state.locating
+
+
+def test_a_split_lost_after_the_barrier_makes_the_barrier_run_again():
+    s = Sched()
+    shuffle(s)
+    s.finish(s.on("L"), "L")
+    lost, keep = "w1", "w0"
+    running = {k: s.on(k) for k in ("a0", "a1")}
+    out = s(RemoveWorkerEvent(s.sid(), lost, True))
+    # s1 (its worker's only) is made again elsewhere, and the barrier waits for it
+    assert s.states()["L"] == "waiting" and s.states()["s0"] == "memory"
+    assert s.states()["s1"] in ("waiting", "queued", "processing")
+    # an assembly running on the worker left finds the split gone and gives itself back
+    for key, worker in running.items():
+        if worker == keep:
+            s.reschedule(keep, key)
+    assert {s.states()[k] for k in ("a0", "a1")} == {"waiting"}
+    out = s.finish(s.on("s1"), "s1", nbytes=1000)
+    assert compute_of(out, "L").who_has == {"s0": [keep], "s1": [keep]}
+    out = s.finish(s.on("L"), "L")
+    assert sorted(k for _, k in computes(out)) == ["a0", "a1"]
+    s.finish(s.on("a0"), "a0")
+    s.finish(s.on("a1"), "a1")
+    assert s.states()["a0"] == s.states()["a1"] == "memory"
+
+
+def test_assemblies_waiting_in_the_queue_wait_for_the_new_barrier():
+    s = Sched()
+    workers = shuffle(s, 3)
+    s.finish(s.on("L"), "L")
+    # every worker busy: some assemblies wait in the queue
+    states = {k: s.states()[k] for k in ("a0", "a1", "a2")}
+    s(RemoveWorkerEvent(s.sid(), "w2", True))
+    for k in ("a0", "a1", "a2"):
+        assert s.states()[k] in ("waiting", "processing"), (states, s.states())
+        if s.states()[k] == "waiting":
+            assert s.ts("L") in s.ts(k).waiting_on
+    assert s.states()["L"] == "waiting"
+    assert workers
+
+
+def test_a_split_lost_before_the_barrier_ran_is_just_made_again():
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    s.submit(t("s0", on="w0"), t("s1", on="w1"), t("L", "s0", "s1", locate=True), t("a0", "L"), wanted=["a0"])
+    where = s.on("s0")
+    s.finish(where, "s0")
+    out = s(RemoveWorkerEvent(s.sid(), where, True))
+    assert "s0" in {k for _, k in computes(out)} or s.states()["s0"] in ("waiting", "queued", "processing")
+    assert s.states()["L"] == "waiting"
+
+
+def test_replay_gives_the_same_instructions():
+    s = Sched()
+    shuffle(s)
+    s.finish(s.on("L"), "L")
+    s(RemoveWorkerEvent(s.sid(), "w1", True))
+    fresh, out = s.replay()
+    assert without_user_data(out) == without_user_data(s.instructions)
+
+
+def test_both_splits_lost_at_once_relocate_once():
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    s.submit(t("s0", on="w1"), t("s1", on="w1"), t("L", "s0", "s1", locate=True), t("a0", "L"), t("a1", "L"),
+             wanted=["a0", "a1"])
+    s.finish("w1", "s0")
+    s.finish("w1", "s1")
+    s.finish(s.on("L"), "L")
+    s.add_worker("w2")
+    s(RemoveWorkerEvent(s.sid(), "w1", True))
+    assert s.states()["L"] == "waiting"
+    assert {k for k in ("s0", "s1") if s.states()[k] == "processing"} == {"s0", "s1"}
+    for k in ("s0", "s1"):
+        s.finish(s.on(k), k)
+    out = s.finish(s.on("L"), "L")
+    assert sorted(k for _, k in computes(out) if k.startswith("a")) == ["a0", "a1"] or \
+        {s.states()["a0"], s.states()["a1"]} <= {"processing", "memory"}
