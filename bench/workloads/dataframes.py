@@ -15,9 +15,11 @@ Each result is reduced on the workers to a line per output partition (rows, sum 
 ``v``, distinct keys, smallest and largest key) that is checked against pandas in the
 child (the same frames made in one process): rows and sums agree, a key sits in one
 output partition only, ``set_index``'s partitions are sorted and do not overlap. The
-time is from ``compute()`` to the lines in hand; the peak is the largest sum of the
-resident memory of the worker processes (the child's children: both systems run their
-scheduler in the child) sampled every 20 ms during it. Median of ``rounds`` after one untimed round.
+time is from ``compute()`` to the lines in hand (shoal: its own shuffle, and dask's task
+shuffle on shoal; dask: its P2P and task shuffles); the peak is the largest sum of the
+memory of the worker processes (the child's children: both systems run their scheduler
+in the child), the sum of their PSS (shared pages counted once), sampled every 100 ms
+during it; the sum of their RSS is reported beside it (``_peak_rss_mb``, an info). Median of ``rounds`` after one untimed round.
 """
 
 from __future__ import annotations
@@ -46,14 +48,14 @@ def _metrics(methods: tuple[str, ...]) -> dict[str, str]:
 
 df_shuffle = Workload(
     "df_shuffle",
-    "Seconds (and the worker processes' peak resident MB) for dask.dataframe shuffle('k'), "
+    "Seconds (and the worker processes' peak memory, MB of PSS) for dask.dataframe shuffle('k'), "
     "merge with a frame a quarter the size on 'k', set_index('k') and "
     "groupby('k').sum(split_out=8) of `rows` rows in `partitions` partitions made on "
-    "2 worker processes x 1 thread; every result checked against pandas. shoal: the "
-    "method dask is given under a shoal client (`shoal`: tasks today); dask: its P2P "
-    "shuffle (`p2p`) and its task shuffle (`tasks`) on the same cluster. Median of "
-    "`rounds` after one untimed round.",
-    metrics=_metrics(("shoal", "p2p", "tasks")),
+    "2 worker processes x 1 thread; every result checked against pandas. shoal: its own "
+    "shuffle (`shoal`, shuffle_method='shoal') and dask's task shuffle on shoal "
+    "(`shoal_tasks`); dask: its P2P shuffle (`p2p`) and its task shuffle (`tasks`) on "
+    "the same cluster. Median of `rounds` after one untimed round.",
+    metrics=_metrics(("shoal", "shoal_tasks", "p2p", "tasks")),
     params={"rows": 8_000_000, "partitions": 32, "ops": ",".join(OPS), "rounds": 1},
     quick={"rows": 200_000, "partitions": 8, "rounds": 1},
     timeout=1800,
@@ -151,31 +153,42 @@ def _check(op: str, lines: Any, want: dict[str, float]) -> None:
 
 
 class _Peak:
-    """The largest total resident memory of this process's children (the worker
-    processes and what they started; the scheduler runs in this process on both
-    systems and is not counted), sampled in a thread."""
+    """The largest total memory of this process's children (the worker processes and
+    what they started; the scheduler runs in this process on both systems and is not
+    counted), sampled in a thread: the sum of their proportional set sizes (PSS: a
+    page shared by two workers, such as a shared-memory segment one placed and the
+    other mapped, counts half in each, so once in the sum; RSS would count it twice),
+    and of their RSS."""
 
     def __init__(self) -> None:
         import psutil
 
         self._me = psutil.Process()
         self.peak = 0
+        self.peak_rss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _total(self) -> int:
-        total = 0
+    def _total(self) -> tuple[int, int]:
+        pss = rss = 0
         for p in self._me.children(recursive=True):
             try:
-                total += p.memory_info().rss
+                info = p.memory_full_info()
             except Exception:  # noqa: BLE001 - gone meanwhile
-                pass
-        return total
+                continue
+            pss += getattr(info, "pss", info.rss)
+            rss += info.rss
+        return pss, rss
+
+    def _sample(self) -> None:
+        pss, rss = self._total()
+        self.peak = max(self.peak, pss)
+        self.peak_rss = max(self.peak_rss, rss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._total())
-            self._stop.wait(0.02)
+            self._sample()
+            self._stop.wait(0.1)
 
     def __enter__(self) -> _Peak:
         self._thread.start()
@@ -184,7 +197,7 @@ class _Peak:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._total())
+        self._sample()
 
 
 def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions: int, ops: str,
@@ -196,7 +209,7 @@ def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions:
     out: dict[str, Any] = {}
     for op in ops.split(","):
         for name, method in methods.items():
-            times, peaks = [], []
+            times, peaks, rss = [], [], []
             for i in range(rounds + 1):
                 with _Peak() as peak:
                     t0 = _perf()
@@ -206,8 +219,10 @@ def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions:
                 if i:
                     times.append(dt)
                     peaks.append(peak.peak / 1e6)
+                    rss.append(peak.peak_rss / 1e6)
             out[f"{op}_{name}"] = statistics.median(times)
             out[f"{op}_{name}_peak_mb"] = statistics.median(peaks)
+            out[f"{op}_{name}_peak_rss_mb"] = round(statistics.median(rss))
     return out
 
 
@@ -222,7 +237,7 @@ def _session(system: str) -> Any:
 @df_shuffle.system("shoal")
 def _shoal(rows: int, partitions: int, ops: str, rounds: int) -> dict[str, Any]:
     with _session("shoal") as s:
-        out = _run_ops(s.client, {"shoal": None}, rows, partitions, ops, rounds)
+        out = _run_ops(s.client, {"shoal": "shoal", "shoal_tasks": "tasks"}, rows, partitions, ops, rounds)
         out.update(s.extra_info())
     return out
 

@@ -225,6 +225,11 @@ class Worker(PeerData):
         self.use_shm = shm.enabled() and comm.destination != SAME_PROCESS
         if self.use_shm:
             shm.registry.adopt_transfers = True  # values sent here (scatter, fetches) stay mappable
+            # the memory of released results kept for reuse is this worker's memory too
+            limit = config.get("shm-pool-bytes")
+            if self.memory_limit is not None:
+                limit = min(limit, self.memory_limit // 8)
+            shm.registry.pool_limit = limit
         threshold = config.get("shm-alloc-threshold")
         self._born_in_shm = self.use_shm and threshold > 0 and shm_born.enable_array_allocator(threshold)
         if self.use_shm and config.get("shm-pool-idle") > 0:
