@@ -3,6 +3,7 @@ processes are killed (-9) at random points (shoal.chaos; the test suite runs a s
 
     python bench/chaos.py --minutes 10                # 2 worker processes, a kill every 1-3 s
     python bench/chaos.py --minutes 10 --kill-every 5,15 --workers 4 --memory-limit 300MB
+    python bench/chaos.py --minutes 5 --shuffle-method shoal   # dataframes through shoal's shuffle
 
 Prints each graph that came back wrong, hung or erred, then one line: graphs by kind,
 kills, wrong, hung, erred. Exits 1 if any graph was wrong or hung.
@@ -11,6 +12,7 @@ kills, wrong, hung, erred. Exits 1 if any graph was wrong or hung.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 
@@ -28,10 +30,16 @@ def main() -> int:
     parser.add_argument("--kinds", default="", help=f"graph kinds (default all: {','.join(GRAPHS)})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds a graph may take")
+    parser.add_argument("--shuffle-method", default="", help="dask's dataframe shuffle method (default: shoal's choice)")
     args = parser.parse_args()
     low, high = (float(x) for x in args.kill_every.split(","))
     kinds = [k for k in args.kinds.split(",") if k] or None
-    with config.set(nanny_max_restarts=1_000_000):
+    method: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if args.shuffle_method:
+        import dask
+
+        method = dask.config.set({"dataframe.shuffle.method": args.shuffle_method})
+    with config.set(nanny_max_restarts=1_000_000), method:
         with shoal.Client(n_workers=args.workers, processes=True, dashboard_address=None,
                           memory_limit=args.memory_limit) as client:
             report = run_chaos(client, kill_a_worker(client, random.Random(args.seed)), seconds=args.minutes * 60,

@@ -1,5 +1,6 @@
-"""How a worker fetches its tasks' inputs: the fetching half of
-:class:`~shoal.worker.state.WorkerState` (this class is its base). Inputs in a
+"""How a worker fetches its tasks' inputs, and what it does with what the fetches
+bring back: the fetching half of :class:`~shoal.worker.state.WorkerState` (this class
+is its base). Inputs in a
 same-host segment are mapped in one batch (``AttachShm``); the others are asked of
 their holders, batched per peer (``GatherDep``; the holder the scheduler listed first
 is asked first: one of this host, or the host's worker fetching it), at most
@@ -10,10 +11,15 @@ theory of operation is in :mod:`shoal.worker.state`.
 
 from __future__ import annotations
 
-from .events import AttachShm, GatherDep, Instruction
+from typing import Any
+
+from .events import AttachShm, GatherDep, GatherDepFailureEvent, GatherDepSuccessEvent, Instruction
 from .model import SHM, WState, WTask
 
 __all__ = ["Fetching"]
+
+#: peers whose failures are counted at most (peers that left are never heard of again)
+_MAX_FAILING_PEERS = 1024
 
 
 class Fetching:
@@ -30,9 +36,148 @@ class Fetching:
     _fetch_blocked: tuple[int, int, int] | None
     _stimulus: str
     _out: list[Instruction]
+    tasks: dict[Any, WTask]
+    peer_failures: dict[str, int]
+    max_peer_failures: int
 
+    # (WorkerState's, used here)
     def _set_state(self, ts: WTask, finish: WState) -> None:
         raise NotImplementedError  # the one writer of a key's state: WorkerState
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _put(self, ts: WTask, value: Any, managed: int | None = None) -> None:
+        raise NotImplementedError
+
+    def _lose(self, ts: WTask) -> None:
+        raise NotImplementedError
+
+    def _release(self, ts: WTask) -> None:
+        raise NotImplementedError
+
+    # -- what fetches bring back
+
+    def _gather_success(self, ev: GatherDepSuccessEvent) -> None:
+        flight = sorted(self.in_flight_workers.pop(ev.worker, set()))
+        asked = [ts for ts in flight if ts.state == "flight"]
+        failures = 0
+        if ev.worker != SHM and asked and not any(ts.key in ev.data for ts in asked):
+            # an answer with none of what was asked counts as a failed fetch: a holder
+            # that keeps answering so (and the scheduler keeps believing, sending the
+            # tasks back here) is given up on as one that does not answer is
+            failures = self._count_failure(ev.worker)
+        else:
+            self.peer_failures.pop(ev.worker, None)
+        for ts in flight:
+            if ts.state != "flight":
+                continue  # dropped while handling an earlier key of this reply
+            ts.coming_from = None
+            if ts.key in ev.data:
+                ts.nbytes = ev.nbytes.get(ts.key, ts.nbytes)
+                self._put(ts, ev.data[ts.key], ev.nbytes.get(ts.key))
+                info = ev.shm.get(ts.key)
+                if info is not None:
+                    # it crossed hosts: kept for this host's workers, until the scheduler frees it
+                    ts.origin = "replica"
+                    self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
+            elif failures < self.max_peer_failures:
+                self._missing_on(ts, ev.worker, unserved=True)
+            else:
+                self._give_up(ts, ev.worker, None, f"CommError: cannot fetch input {ts.key!r} from {ev.worker}: "
+                                                   f"it answered without it ({failures} fetches from it failed in a row)")
+
+    def _gather_failure(self, ev: GatherDepFailureEvent) -> None:
+        if ev.unsendable is not None:
+            self._unsendable(ev)
+            return
+        if ev.worker == SHM:
+            for ts in sorted(self.in_flight_workers.pop(SHM, set())):
+                if ts.state == "flight":
+                    ts.coming_from = None
+                    self._shm_failed(ts)
+            return
+        failures = self._count_failure(ev.worker)
+        flight = self.in_flight_workers.pop(ev.worker, set())
+        for ts in sorted(flight):
+            if ts.state != "flight":
+                continue  # dropped while handling an earlier key of this request
+            ts.coming_from = None
+            if failures < self.max_peer_failures:
+                self._missing_on(ts, ev.worker, unserved=ev.unserved)
+                continue
+            self._give_up(ts, ev.worker, ev.exception, f"cannot fetch input {ts.key!r} from {ev.worker}: "
+                                                       f"{ev.text} ({failures} fetches from it failed in a row)")
+        # the peer is unreachable: forget it as a holder of anything
+        for ts in list(self.tasks.values()):
+            if ev.worker in ts.who_has and self.tasks.get(ts.key) is ts:
+                ts.who_has.discard(ev.worker)
+                if ts.state == "fetch" and not ts.who_has:
+                    self._lose(ts)
+
+    def _give_up(self, ts: WTask, worker: str, exception: Any, text: str) -> None:
+        """Given up on ``worker`` for ``ts``: another holder is asked, or with none
+        left the local tasks that need it err with ``exception`` and ``text``."""
+        ts.who_has.discard(worker)
+        if ts.who_has:
+            self._lose(ts)
+        else:
+            self._err_dependents(ts, exception, text)
+
+    def _unsendable(self, ev: GatherDepFailureEvent) -> None:
+        """The holder is fine, its values are not: asking again (or another holder, or
+        computing them again) would fail the same way. The tasks here that need them err
+        with the reason; the values stay where they are."""
+        for ts in sorted(self.in_flight_workers.pop(ev.worker, set())):
+            if ts.state != "flight":
+                continue
+            ts.coming_from = None
+            self._err_dependents(ts, ev.unsendable, ev.text)
+
+    def _err_dependents(self, ts: WTask, exception: Any, text: str) -> None:
+        """``ts``'s value cannot be had here: the local tasks waiting for it err with
+        ``exception`` (as it travels in ``task-erred``), and ``ts`` goes."""
+        for dts in sorted(d for d in ts.dependents if d.state == "waiting"):
+            if self.tasks.get(dts.key) is dts:
+                self._send({"op": "task-erred", "key": dts.key, "exception": exception,
+                            "traceback": "", "text": text})
+                self._release(dts)
+        if self.tasks.get(ts.key) is ts and not ts.dependents:
+            self._release(ts)
+
+    def _count_failure(self, peer: str) -> int:
+        """One more failed fetch from ``peer``; returns how many in a row."""
+        n = self.peer_failures.pop(peer, 0) + 1
+        self.peer_failures[peer] = n  # most recent last
+        if len(self.peer_failures) > _MAX_FAILING_PEERS:
+            del self.peer_failures[next(iter(self.peer_failures))]  # the peer failing longest ago
+        return n
+
+    def _shm_failed(self, ts: WTask) -> None:
+        """The segment could not be mapped (gone, or not our domain): ask the holders."""
+        ts.shm = None
+        if ts.who_has:
+            self._set_state(ts, "fetch")
+            self.fetching.add(ts)
+        else:
+            self._lose(ts)
+
+    def _missing_on(self, ts: WTask, worker: str, unserved: bool = False) -> None:
+        """``worker`` did not give us ``ts``'s value: ``unserved``, it took the request
+        and did not serve it (answered without it, or not in time); else the fetch
+        failed on the way."""
+        if worker == SHM:
+            self._shm_failed(ts)
+            return
+        ts.who_has.discard(worker)
+        msg: dict[str, Any] = {"op": "missing-data", "key": ts.key, "errant_worker": worker}
+        if unserved:
+            msg["unserved"] = True
+        self._send(msg)
+        self._lose(ts)
+
+    # -- starting fetches
+
 
     def _ensure_communicating(self) -> None:
         if not self.fetching or self.paused:

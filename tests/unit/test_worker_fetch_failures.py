@@ -105,14 +105,14 @@ def test_a_fetch_that_works_clears_the_count_of_its_peer() -> None:
 
 
 def test_failing_peers_are_counted_for_a_bounded_number_of_peers() -> None:
-    from shoal.worker import state as state_module
+    from shoal.worker import fetching as fetching_module
 
     w = Wk()
-    for i in range(state_module._MAX_FAILING_PEERS + 10):
+    for i in range(fetching_module._MAX_FAILING_PEERS + 10):
         w.compute(f"t{i}", {f"a{i}": [f"p{i}"]})
         _fetch_fails(w, f"p{i}", [f"a{i}"])
-    assert len(w.state.peer_failures) == state_module._MAX_FAILING_PEERS
-    assert "p0" not in w.state.peer_failures and f"p{state_module._MAX_FAILING_PEERS + 9}" in w.state.peer_failures
+    assert len(w.state.peer_failures) == fetching_module._MAX_FAILING_PEERS
+    assert "p0" not in w.state.peer_failures and f"p{fetching_module._MAX_FAILING_PEERS + 9}" in w.state.peer_failures
 
 
 def test_a_holder_that_keeps_answering_without_the_value_is_given_up_on() -> None:
