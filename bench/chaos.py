@@ -3,7 +3,7 @@ processes are killed (-9) at random points (shoal.chaos; the test suite runs a s
 
     python bench/chaos.py --minutes 10                # 2 worker processes, a kill every 1-3 s
     python bench/chaos.py --minutes 10 --kill-every 5,15 --workers 4 --memory-limit 300MB
-    python bench/chaos.py --minutes 5 --shuffle-method shoal   # dataframes through shoal's shuffle
+    python bench/chaos.py --minutes 5 --shuffle-method tasks   # dataframes through dask's task shuffle
 
 Prints each graph that came back wrong, hung or erred, then one line: graphs by kind,
 kills, wrong, hung, erred. Exits 1 if any graph was wrong or hung.

@@ -9,11 +9,12 @@ dataframes and bags: a partd directory on the local disk of whichever worker run
 first task, which the other tasks then append to and read from by its path. That is
 right only while every worker sees that directory (one host) and no task of it runs
 twice (a split run again appends its rows again; the store made again is empty).
-``"tasks"`` is right on any cluster, so until shoal has a shuffle of its own:
+shoal's own shuffle (``"shoal"``, :mod:`shoal.client.shuffle`) for dataframes and
+dask's ``"tasks"`` for arrays are right on any cluster, so:
 
 - while any shoal client is open (default or not: ``dask.compute(x,
   scheduler=client.get)`` lowers ``x`` before it calls the client), dask's config holds
-  ``"tasks"`` for each method the user left unset (:func:`hold`, :func:`release`; a
+  those (:data:`METHODS`) for each method the user left unset (:func:`hold`, :func:`release`; a
   client holds from the moment it is connected until it closes or is collected); when
   the last holder lets go, each setting still at shoal's choice goes back to what it
   was;
@@ -42,11 +43,13 @@ from ..errors import GraphError
 if TYPE_CHECKING:
     from .graphs import Graph
 
-__all__ = ["METHODS", "hold", "release", "hold_while", "local_stores", "refusal", "fail_with", "ONCE",
+__all__ = ["METHODS", "hold", "release", "use_instead", "hold_while", "local_stores", "refusal", "fail_with", "ONCE",
            "mark_once", "renew_stores"]
 
-#: dask config key -> the method shoal has dask use when the user set none
-METHODS = {"dataframe.shuffle.method": "tasks", "array.rechunk.method": "tasks"}
+#: dask config key -> the method shoal has dask use when the user set none: shoal's own
+#: shuffle for dataframes (:mod:`shoal.client.shuffle`; dask's "tasks" should this
+#: dask's planner not take it: :func:`use_instead`), dask's task rechunk for arrays
+METHODS = {"dataframe.shuffle.method": "shoal", "array.rechunk.method": "tasks"}
 
 _lock = threading.Lock()
 _holders = 0
@@ -106,6 +109,17 @@ def release() -> None:
                 _remove(cfg.config, key.split("."))
             else:
                 cfg.set({key: value})
+
+
+def use_instead(key: str, method: str) -> None:
+    """From now on have dask use ``method`` for ``key`` where it would have used
+    :data:`METHODS`' (also now, while held and still at shoal's choice)."""
+    with _lock:
+        before = METHODS[key]
+        METHODS[key] = method
+        cfg = _dask_config()
+        if _holders and key in _before and cfg is not None and cfg.get(key, None) == before:
+            cfg.set({key: method})
 
 
 def hold_while(owner: object) -> Callable[[], Any]:

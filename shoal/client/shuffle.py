@@ -16,9 +16,11 @@ partition, one barrier that the scheduler runs without moving any data
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import threading
 from typing import Any
@@ -27,10 +29,12 @@ from ..worker.shuffle import LOCATE_PREFIX, SPLIT_PREFIX, assemble, locate, spli
 
 __all__ = ["METHOD", "install", "watch", "ShoalShuffle", "is_locate"]
 
+logger = logging.getLogger(__name__)
+
 #: the method's name in dask's config and its ``shuffle_method=`` arguments
 METHOD = "shoal"
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _installed = False
 
 
@@ -41,17 +45,24 @@ def is_locate(func: Any) -> bool:
 
 #: the module of dask's planner that :func:`install` changes
 _PLANNER = "dask.dataframe.dask_expr._shuffle"
+#: dask's bags: their groupby takes the dataframes' method name too (:func:`install_bags`)
+_BAGS = "dask.bag.core"
 
 
 class _InstallOnImport(importlib.abc.MetaPathFinder):
-    """Installs the method right after dask's planner is imported (without importing
-    dask.dataframe, and pandas, before a user does)."""
+    """Installs the method right after dask's planner (and bags) are imported
+    (without importing dask.dataframe, and pandas, before a user does)."""
+
+    def __init__(self) -> None:
+        self.pending = {_PLANNER: install, _BAGS: install_bags}
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _PLANNER:
+        then = self.pending.pop(fullname, None)  # (so the search below does not come back here)
+        if then is None:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)  # (once; and the search below must not come here)
+        if not self.pending:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
@@ -60,7 +71,7 @@ class _InstallOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            install()
+            then()
 
         loader.exec_module = exec_module
         return spec
@@ -70,16 +81,58 @@ _watcher: _InstallOnImport | None = None
 
 
 def watch() -> None:
-    """Have the method installed: now if dask's planner is imported, else as soon as
-    it is."""
+    """Have the method installed: now where dask's planner (bags) are imported, else
+    as soon as they are."""
     global _watcher
     if _PLANNER in sys.modules:
         install()
-        return
+    if _BAGS in sys.modules:
+        install_bags()
     with _lock:
-        if _watcher is None and not _installed:
+        if _watcher is None:
             _watcher = _InstallOnImport()
-            sys.meta_path.insert(0, _watcher)
+            for name in (_PLANNER, _BAGS):
+                if name in sys.modules:
+                    del _watcher.pending[name]
+            if _watcher.pending:
+                sys.meta_path.insert(0, _watcher)
+
+
+_bags_installed = False
+
+
+def install_bags() -> bool:
+    """Have a bag's ``groupby`` take the name ``"shoal"`` (given, or dask's default
+    while a shoal client is open) for dask's ``"tasks"``: shoal's shuffle moves
+    dataframes' rows, a bag's groupby is not a dataframe's. Once; False when dask's
+    bags cannot be imported."""
+    global _bags_installed
+    with _lock:
+        if _bags_installed:
+            return True
+        try:
+            from dask.bag import core
+        except ImportError:
+            return False
+        original = core.Bag.groupby
+
+        @functools.wraps(original)
+        def groupby(self: Any, grouper: Any, method: Any = None, npartitions: Any = None, blocksize: Any = 2**20,
+                    max_branch: Any = None, shuffle: Any = None) -> Any:
+            if shuffle is None and method is None:
+                from dask.utils import get_default_shuffle_method
+
+                with contextlib.suppress(ImportError):
+                    if get_default_shuffle_method() == METHOD:
+                        shuffle = "tasks"
+            elif shuffle == METHOD:
+                shuffle = "tasks"
+            return original(self, grouper, method=method, npartitions=npartitions, blocksize=blocksize,
+                            max_branch=max_branch, shuffle=shuffle)
+
+        setattr(core.Bag, "groupby", groupby)  # noqa: B010 - (a method replaced)
+        _bags_installed = True
+        return True
 
 
 def install() -> bool:
@@ -93,8 +146,16 @@ def install() -> bool:
             from dask.dataframe.dask_expr import _shuffle
         except ImportError:
             return False
-        _define(_shuffle)
-        original = _shuffle.Shuffle._lower
+        try:
+            _define(_shuffle)
+            original = _shuffle.Shuffle._lower
+        except Exception as exc:  # noqa: BLE001 - a dask whose planner changed
+            from .dask_methods import use_instead
+
+            logger.warning("shoal's shuffle cannot join this dask's planner (%r); "
+                           "dask's 'tasks' shuffle is used instead", exc)
+            use_instead("dataframe.shuffle.method", "tasks")
+            return False
 
         @functools.wraps(original)
         def _lower(self: Any) -> Any:
@@ -133,16 +194,12 @@ def _define(_shuffle: Any) -> None:
             token = self._name.split("-")[-1]
             split_name = f"{SPLIT_PREFIX}-{token}"
             locate_key = f"{LOCATE_PREFIX}-{token}"
-            column = self.partitioning_index
-            if isinstance(column, list):
-                if len(column) != 1:
-                    raise ValueError(f"shoal's shuffle partitions by one column of output numbers, not {column!r}")
-                column = column[0]
+            on = self.partitioning_index
             n_out = self.npartitions_out
             dsk: dict[Any, Any] = {}
             refs = []
             for i in range(self.frame.npartitions):
-                t = Task((split_name, i), split, TaskRef((self.frame._name, i)), column, n_out)
+                t = Task((split_name, i), split, TaskRef((self.frame._name, i)), on, n_out)
                 dsk[t.key] = t
                 refs.append(t.ref())
             barrier = Task(locate_key, locate, *refs)
@@ -150,7 +207,7 @@ def _define(_shuffle: Any) -> None:
             meta = self.frame._meta
             parts_out = self._partitions if self._filtered else range(n_out)
             for j, part in enumerate(parts_out):
-                t = Task((self._name, j), assemble, barrier.ref(), part, meta)
+                t = Task((self._name, j), assemble, barrier.ref(), part, meta, bool(self.ignore_index))
                 dsk[t.key] = t
             return dsk
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..errors import CommError, Reschedule, ShuffleError
 
-__all__ = ["Location", "split", "locate", "assemble", "rows_of", "SPLIT_PREFIX", "LOCATE_PREFIX"]
+__all__ = ["Location", "output_numbers", "split", "locate", "assemble", "concat", "rows_of", "SPLIT_PREFIX", "LOCATE_PREFIX"]
 
 #: the key prefixes of the shuffle's tasks (the client names them; the worker's
 #: ``get-slices`` serves values of split tasks only)
@@ -52,14 +52,31 @@ class Location:
     shm: Any = None
 
 
-def split(df: Any, column: str, npartitions: int) -> tuple[Any, Any]:
-    """``df``'s rows sorted (stably) by ``column``, the number of their output
-    partition, and the offsets where each output's rows start (``npartitions + 1``
-    of them). Raises :class:`~shoal.errors.ShuffleError` for a number outside
-    ``[0, npartitions)``."""
+def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
+    """The output partition of each row of ``df``, as dask numbers them: the column
+    ``"_partitions"`` when ``on`` names it (dask's planner adds it), else the hash of
+    the columns ``on`` (of the whole frame or series when ``on`` is empty) modulo
+    ``npartitions``."""
     import numpy as np
 
-    parts = np.asarray(df[column])
+    columns = [on] if isinstance(on, str) else list(on or [])
+    if columns and columns[0] == "_partitions":
+        numbers = df["_partitions"]
+    else:
+        from dask.dataframe.dispatch import hash_object_dispatch
+
+        numbers = hash_object_dispatch(df[columns] if columns else df, index=False) % npartitions
+    return np.asarray(numbers).astype(np.int64, copy=False)
+
+
+def split(df: Any, on: Any, npartitions: int) -> tuple[Any, Any]:
+    """``df``'s rows sorted (stably) by their output partition (see
+    :func:`output_numbers`), and the offsets where each output's rows start
+    (``npartitions + 1`` of them). Raises :class:`~shoal.errors.ShuffleError` for a
+    number outside ``[0, npartitions)``."""
+    import numpy as np
+
+    parts = output_numbers(df, on, npartitions)
     if len(parts) and (parts.min() < 0 or parts.max() >= npartitions):
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
     order = np.argsort(parts, kind="stable")
@@ -79,27 +96,49 @@ def rows_of(value: Any, index: int) -> Any:
     return df.iloc[int(offsets[index]) : int(offsets[index + 1])]
 
 
-def locate(*locations: Location) -> list[Location]:
-    """The barrier: where each split is (its worker passes their locations)."""
-    for loc in locations:
-        if not isinstance(loc, Location):
-            raise ShuffleError(f"the shuffle's barrier got a {type(loc).__name__} where a split's location "
-                               "belongs (was it run by a scheduler that does not know 'locate' tasks?)")
-    return list(locations)
+def locate(*inputs: Any) -> list[Any]:
+    """The barrier: where each split is (a shoal worker passes their
+    :class:`Location`). Under a scheduler that does not know ``locate`` tasks (dask's
+    own, in a test's ``compute(scheduler="sync")``) it gets the splits themselves and
+    passes them on: the shuffle is then an ordinary all-to-one exchange, still right."""
+    kinds = {isinstance(x, Location) for x in inputs}
+    if len(kinds) > 1:
+        raise ShuffleError("the shuffle's barrier got both splits and the locations of splits")
+    return list(inputs)
 
 
-def assemble(locations: list[Location], index: int, meta: Any) -> Any:
-    """Output partition ``index``: its rows of every split in ``locations``,
-    concatenated in input order (``meta``: the frame's empty form, for no rows)."""
-    import pandas as pd
+def assemble(inputs: list[Any], index: int, meta: Any, ignore_index: bool = False) -> Any:
+    """Output partition ``index``: its rows of every split (``inputs``: where they are,
+    or the splits themselves, see :func:`locate`), concatenated in input order as dask
+    concatenates (``ignore_index``: a new index; ``meta``: the frame's empty form, for
+    no inputs)."""
+    if inputs and isinstance(inputs[0], Location):
+        from .context import get_worker
 
-    from .context import get_worker
+        got = pieces(get_worker(), inputs, index)
+    else:
+        got = [rows_of(value, index) for value in inputs]
+    return concat(got, meta, ignore_index)
 
-    got = pieces(get_worker(), locations, index)
-    frames = [p for p in got if len(p)]
+
+def concat(frames: list[Any], meta: Any, ignore_index: bool) -> Any:
+    """``frames`` as one, by dask's rules when dask is here (categories unioned, empty
+    frames left out; none but empty ones: the first of them)."""
     if not frames:
-        return got[0].iloc[:0] if got else meta
-    return frames[0] if len(frames) == 1 else pd.concat(frames)
+        return meta
+    full = [f for f in frames if len(f)]
+    if not full:
+        first = frames[0]
+        return first.reset_index(drop=True) if ignore_index else first
+    if len(full) == 1 and not ignore_index:
+        return full[0]
+    try:
+        from dask.dataframe.methods import concat as dask_concat
+    except ImportError:  # (a shuffle's graph comes from dask; its tests may run without)
+        import pandas as pd
+
+        return pd.concat(full, ignore_index=ignore_index)
+    return dask_concat(full, uniform=True, ignore_index=ignore_index)
 
 
 # -- on the worker (assemble's pulls, and the get-slices request)

@@ -76,7 +76,8 @@ with shoal.get_task_stream(c) as ts:
             results[name] = traceback.format_exc()[-2000:]
 hosts = {h for h, ws in W.items() for r in ts.data if r["worker"] in ws}
 disk = sorted({r["prefix"] for r in ts.data if r["prefix"].startswith(("zpartd", "shuffle-partition"))})
-out = {"results": results, "hosts": sorted(hosts), "disk": disk,
+shoals = sorted({r["prefix"] for r in ts.data if r["prefix"].startswith("shoal-shuffle")})
+out = {"results": results, "hosts": sorted(hosts), "disk": disk, "shoal": shoals,
        "method": dask.config.get("dataframe.shuffle.method")}
 """
 
@@ -85,7 +86,8 @@ def test_dataframe_exchanges_are_right_on_workers_of_two_hosts(cluster: dict[str
     out = on_client_host(cluster, _CHECKS)
     assert out["results"] == {name: "ok" for name in out["results"]}, out["results"]
     assert len(out["results"]) == 7
-    assert out["hosts"] == ["host1", "host2"] and out["disk"] == [] and out["method"] == "tasks", out
+    assert out["hosts"] == ["host1", "host2"] and out["disk"] == [] and out["method"] == "shoal", out
+    assert {"shoal-shuffle-split", "shoal-shuffle-locate"} <= set(out["shoal"]), out
 
 
 def test_dasks_disk_shuffle_on_workers_of_two_hosts_is_refused(cluster: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """dask's all-to-all exchanges (dataframe shuffles, merges, sorts, split_out
 reductions; array rechunks) on worker processes: right against pandas/numpy by every
-way a shoal client runs a graph, with the "tasks" method that dask is made to pick
-there, the user's own choice kept, dask's config as it was once the clients close,
+way a shoal client runs a graph, with the method dask is made to pick there (shoal's
+own shuffle for dataframes, "tasks" for rechunks), the user's own choice kept, dask's config as it was once the clients close,
 and a clear error for dask's "disk" shuffle on workers that span hosts."""
 
 from __future__ import annotations
@@ -153,15 +153,16 @@ def _lowered_names(coll: Any) -> set[str]:
 
 
 @pytest.mark.parametrize("default", [True, False], ids=["default", "not-default"])
-def test_dask_lowers_to_the_tasks_shuffle_under_any_open_client(cluster: LocalCluster, default: bool) -> None:
+def test_dask_lowers_to_shoals_shuffle_under_any_open_client(cluster: LocalCluster, default: bool) -> None:
     df = _ddf(_left())
     assert "zpartd" in _lowered_names(df.shuffle("k"))  # dask's own choice, without shoal
     with Client(cluster, set_as_default=default):
-        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert dask.config.get("dataframe.shuffle.method") == "shoal"
         assert dask.config.get("array.rechunk.method") == "tasks"
         for coll in (df.shuffle("k"), df.merge(_ddf(_right(), 3), on="k"), df.groupby("k").v.sum(split_out=4)):
             names = _lowered_names(coll)
-            assert "split-taskshuffle" in names and "zpartd" not in names, names
+            assert {"shoal-shuffle-split", "shoal-shuffle-locate"} <= names, names
+            assert "zpartd" not in names and "split-taskshuffle" not in names, names
         bag = db.from_sequence(range(20), npartitions=2).groupby(lambda i: i % 3)  # (its method picked now)
         assert not {n for n in _lowered_names(bag) if n.startswith(("partd", "groupby-part"))}
     assert "zpartd" in _lowered_names(df.shuffle("k"))
@@ -171,7 +172,7 @@ async def test_an_asynchronous_client_that_is_not_the_default_holds_the_methods_
         cluster: LocalCluster) -> None:
     before = copy.deepcopy(dask.config.config)
     async with Client(cluster.scheduler_address, asynchronous=True, set_as_default=False) as client:
-        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert dask.config.get("dataframe.shuffle.method") == "shoal"
         coll = _ddf(_left()).shuffle("k")
         assert "zpartd" not in _lowered_names(coll)
         pd.testing.assert_frame_equal(_rows(await client.compute(coll)), _rows(_left()))
@@ -189,7 +190,7 @@ def test_a_method_the_user_chose_is_kept(cluster: LocalCluster) -> None:
             got = client.compute(_ddf(_left()).shuffle("k")).result(timeout=60)
         pd.testing.assert_frame_equal(_rows(got), expected)
         assert _disk_tasks(ts.data)
-        assert dask.config.get("dataframe.shuffle.method") == "tasks"  # shoal's again, after the user's block
+        assert dask.config.get("dataframe.shuffle.method") == "shoal"  # shoal's again, after the user's block
     with dask.config.set({"dataframe.shuffle.method": "disk"}):
         with Client(cluster):
             assert dask.config.get("dataframe.shuffle.method") == "disk"
@@ -203,12 +204,12 @@ def test_dask_config_is_as_it_was_after_the_clients_close(cluster: LocalCluster)
             aside.compute(_ddf(_left()).shuffle("k")).result(timeout=60)
         with Client(cluster):
             _ddf(_left()).groupby("k").v.sum(split_out=4).compute()
-        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert dask.config.get("dataframe.shuffle.method") == "shoal"
         _ddf(_left()).shuffle("k").compute(scheduler=outer.get)
     assert dask.config.config == before
     with Client(cluster, set_as_default=False) as aside:
         # not the default, but dask may lower a graph for it (scheduler=aside.get)
-        assert dask.config.get("dataframe.shuffle.method") == "tasks"
+        assert dask.config.get("dataframe.shuffle.method") == "shoal"
         assert dask.config.get("scheduler", None) == before.get("scheduler")  # it is not dask's scheduler
         aside.compute(_ddf(_left()).shuffle("k")).result(timeout=60)
     assert dask.config.config == before

@@ -27,9 +27,9 @@ def test_holding_sets_the_unset_methods_and_releasing_restores_the_config_exactl
     try:
         dask_methods.hold()
         dask_methods.hold()
-        assert dask.config.get(SHUFFLE) == "tasks" and dask.config.get(RECHUNK) == "tasks"
+        assert dask.config.get(SHUFFLE) == "shoal" and dask.config.get(RECHUNK) == "tasks"
         dask_methods.release()
-        assert dask.config.get(SHUFFLE) == "tasks"  # one holder left
+        assert dask.config.get(SHUFFLE) == "shoal"  # one holder left
         dask_methods.release()
         assert dask.config.config == absent
         dask_methods.release()  # one too many: nothing happens
@@ -52,12 +52,32 @@ def test_the_users_choice_stands_before_and_while_shoal_holds():
         try:
             with dask.config.set({SHUFFLE: "disk"}):
                 assert dask.config.get(SHUFFLE) == "disk"
-            assert dask.config.get(SHUFFLE) == "tasks"
+            assert dask.config.get(SHUFFLE) == "shoal"
             dask.config.set({RECHUNK: "p2p"})  # the user's, for good
         finally:
             dask_methods.release()
         assert dask.config.get(SHUFFLE) is None and dask.config.get(RECHUNK) == "p2p"
         dask.config.set({RECHUNK: None})
+
+
+def test_a_method_dasks_planner_cannot_take_gives_way_to_tasks_even_while_held(monkeypatch):
+    monkeypatch.setitem(dask_methods.METHODS, SHUFFLE, "shoal")
+    before = copy.deepcopy(dask.config.config)
+    dask_methods.hold()
+    try:
+        assert dask.config.get(SHUFFLE) == "shoal"
+        dask_methods.use_instead(SHUFFLE, "tasks")
+        assert dask.config.get(SHUFFLE) == "tasks" and dask_methods.METHODS[SHUFFLE] == "tasks"
+    finally:
+        dask_methods.release()
+    assert dask.config.config == before
+    with dask.config.set({SHUFFLE: "disk"}):  # the user's choice is not shoal's to change
+        dask_methods.hold()
+        try:
+            dask_methods.use_instead(SHUFFLE, "tasks")
+            assert dask.config.get(SHUFFLE) == "disk"
+        finally:
+            dask_methods.release()
 
 
 class _Owner:
@@ -69,10 +89,10 @@ def test_an_owner_holds_until_it_lets_go_once_or_is_collected():
     first, second = _Owner(), _Owner()
     let_go_first = dask_methods.hold_while(first)
     dask_methods.hold_while(second)
-    assert dask.config.get(SHUFFLE) == "tasks"
+    assert dask.config.get(SHUFFLE) == "shoal"
     let_go_first()
     let_go_first()  # a second time (a close after a failed start, say): nothing more is released
-    assert dask.config.get(SHUFFLE) == "tasks"  # the second owner still holds
+    assert dask.config.get(SHUFFLE) == "shoal"  # the second owner still holds
     del second  # collected without letting go: its hold goes with it
     gc.collect()
     assert dask.config.config == before

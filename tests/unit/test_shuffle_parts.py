@@ -41,11 +41,53 @@ def test_output_numbers_out_of_range_are_a_clear_error():
             rows_of(value, bad)
 
 
-def test_the_barrier_takes_locations_only():
+def test_the_barrier_takes_locations_or_splits_not_both():
     loc = Location("k", ("w1",), 10, None)
     assert locate(loc, loc) == [loc, loc]
-    with pytest.raises(ShuffleError, match="does not know 'locate'"):
+    with pytest.raises(ShuffleError, match="both splits and the locations"):
         locate(loc, pd.DataFrame())
+
+
+def test_rows_go_where_dasks_own_shuffle_sends_them():
+    """Columns other than "_partitions" are hashed as dask hashes them (so a shuffle
+    on a column puts each row in the same output partition as dask's would)."""
+    from dask.dataframe.shuffle import shuffle_group
+
+    rng = np.random.default_rng(1)
+    df = pd.DataFrame({"k": rng.integers(0, 50, 300), "s": rng.choice(["a", "b", "c"], 300), "v": rng.random(300)})
+    for on in ("k", ["k", "s"], []):
+        value = split(df, on, 5)
+        dasks = shuffle_group(df, on, 0, 5, 5, False, 5)
+        for j in range(5):
+            pd.testing.assert_frame_equal(rows_of(value, j), dasks[j])
+    series = df["k"]
+    value = split(series, [], 4)
+    assert sorted(pd.concat([rows_of(value, j) for j in range(4)])) == sorted(series)
+
+
+@pytest.mark.parametrize("ignore_index", [False, True])
+def test_a_shuffle_runs_right_on_dasks_own_schedulers(ignore_index):
+    """Under a scheduler that does not know 'locate' (dask's sync and threads, as in a
+    test's compute(scheduler="sync")), the barrier passes the splits themselves."""
+    import dask
+    import dask.dataframe as dd
+
+    from shoal.client import shuffle as shoal_shuffle
+
+    assert shoal_shuffle.install()
+    rng = np.random.default_rng(2)
+    pdf = pd.DataFrame({"k": rng.integers(0, 100, 2000), "v": rng.random(2000)})
+    ddf = dd.from_pandas(pdf, npartitions=7)
+    for scheduler in ("sync", "threads"):
+        with dask.config.set({"dataframe.shuffle.method": "shoal"}):
+            out = ddf.shuffle("k", npartitions=5, ignore_index=ignore_index).compute(scheduler=scheduler)
+            groups = ddf.groupby("k").v.sum(split_out=3).compute(scheduler=scheduler)
+        assert len(out) == len(pdf)
+        pd.testing.assert_frame_equal(out.sort_values(["k", "v"]).reset_index(drop=True),
+                                      pdf.sort_values(["k", "v"]).reset_index(drop=True))
+        if not ignore_index:
+            assert sorted(out.index) == sorted(pdf.index)
+        pd.testing.assert_series_equal(groups.sort_index(), pdf.groupby("k").v.sum().sort_index())
 
 
 class _Store(dict):
