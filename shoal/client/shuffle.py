@@ -20,6 +20,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import logging
 import sys
 import threading
@@ -53,8 +54,8 @@ class _InstallOnImport(importlib.abc.MetaPathFinder):
     """Installs the method right after dask's planner (and bags) are imported
     (without importing dask.dataframe, and pandas, before a user does)."""
 
-    def __init__(self) -> None:
-        self.pending = {_PLANNER: install, _BAGS: install_bags}
+    def __init__(self, pending: dict[str, Any]) -> None:
+        self.pending = pending  # module name -> what to install once it is imported
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         then = self.pending.pop(fullname, None)  # (so the search below does not come back here)
@@ -84,16 +85,13 @@ def watch() -> None:
     """Have the method installed: now where dask's planner (bags) are imported, else
     as soon as they are."""
     global _watcher
-    if _PLANNER in sys.modules:
-        install()
-    if _BAGS in sys.modules:
-        install_bags()
+    installers = {_PLANNER: install, _BAGS: install_bags}
+    for name, then in installers.items():
+        if name in sys.modules:
+            then()
     with _lock:
         if _watcher is None:
-            _watcher = _InstallOnImport()
-            for name in (_PLANNER, _BAGS):
-                if name in sys.modules:
-                    del _watcher.pending[name]
+            _watcher = _InstallOnImport({n: f for n, f in installers.items() if n not in sys.modules})
             if _watcher.pending:
                 sys.meta_path.insert(0, _watcher)
 
@@ -115,20 +113,20 @@ def install_bags() -> bool:
         except ImportError:
             return False
         original = core.Bag.groupby
+        signature = inspect.signature(original)
 
         @functools.wraps(original)
-        def groupby(self: Any, grouper: Any, method: Any = None, npartitions: Any = None, blocksize: Any = 2**20,
-                    max_branch: Any = None, shuffle: Any = None) -> Any:
-            if shuffle is None and method is None:
+        def groupby(*args: Any, **kwargs: Any) -> Any:
+            given = signature.bind(*args, **kwargs)
+            shuffle = given.arguments.get("shuffle")
+            if shuffle is None and given.arguments.get("method") is None:
                 from dask.utils import get_default_shuffle_method
 
                 with contextlib.suppress(ImportError):
-                    if get_default_shuffle_method() == METHOD:
-                        shuffle = "tasks"
-            elif shuffle == METHOD:
-                shuffle = "tasks"
-            return original(self, grouper, method=method, npartitions=npartitions, blocksize=blocksize,
-                            max_branch=max_branch, shuffle=shuffle)
+                    shuffle = get_default_shuffle_method()
+            if shuffle == METHOD:
+                given.arguments["shuffle"] = "tasks"
+            return original(*given.args, **given.kwargs)
 
         setattr(core.Bag, "groupby", groupby)  # noqa: B010 - (a method replaced)
         _bags_installed = True

@@ -31,7 +31,8 @@ from typing import Any
 
 from ..errors import CommError, Reschedule, ShuffleError
 
-__all__ = ["Location", "output_numbers", "split", "locate", "assemble", "concat", "rows_of", "SPLIT_PREFIX", "LOCATE_PREFIX"]
+__all__ = ["Location", "output_numbers", "split", "locate", "assemble", "concat", "rows_of", "SPLIT_PREFIX",
+           "LOCATE_PREFIX"]
 
 #: the key prefixes of the shuffle's tasks (the client names them; the worker's
 #: ``get-slices`` serves values of split tasks only)

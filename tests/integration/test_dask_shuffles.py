@@ -1,8 +1,9 @@
 """dask's all-to-all exchanges (dataframe shuffles, merges, sorts, split_out
 reductions; array rechunks) on worker processes: right against pandas/numpy by every
 way a shoal client runs a graph, with the method dask is made to pick there (shoal's
-own shuffle for dataframes, "tasks" for rechunks), the user's own choice kept, dask's config as it was once the clients close,
-and a clear error for dask's "disk" shuffle on workers that span hosts."""
+own shuffle for dataframes, "tasks" for rechunks), the user's own choice kept, dask's
+config as it was once the clients close, and a clear error for dask's "disk" shuffle
+on workers that span hosts."""
 
 from __future__ import annotations
 
