@@ -598,6 +598,16 @@ class GetSlicesMsg(Msg, tag="get-slices"):
     key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
 
 
+class SplitOutputsMsg(Msg, tag="split-outputs"):
+    """To a worker, from a worker about to assemble output partitions of shoal's
+    shuffle: for each of ``keys`` (values of the shuffle's split tasks) it holds, the
+    output partitions that split has rows for (answered ``{"outputs": {key: [int]}}``)."""
+
+    keys: list[Any]
+    reply: bool = True
+    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
+
+
 class ScatterDataMsg(Msg, tag="update-data"):
     """To a worker: values to hold (``Client.scatter``)."""
 
@@ -653,7 +663,7 @@ SCHEDULER_REQUESTS = _table(IdentityMsg, SchedulerInfoMsg, WhoHasMsg, UpdateData
                             *CLUSTER_OPS_REQUESTS)
 WORKER_REQUESTS = _table(GetDataMsg, ScatterDataMsg, RunMsg, IdentityMsg, TransferStatsMsg, ActorExecuteMsg,
                         ActorAttributeMsg, PluginAddRequestMsg, PluginRemoveMsg, UploadFileMsg, HasKeysMsg,
-                        GetSlicesMsg)
+                        GetSlicesMsg, SplitOutputsMsg)
 NANNY_REQUESTS = _table(IdentityMsg, NannyRestartMsg, NannyCloseMsg)
 CONTROL = _table(LeaseAckMsg)
 

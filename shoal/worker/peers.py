@@ -256,10 +256,16 @@ class PeerData:
     def get_slices(self, comm: Comm, keys: list[Any], index: int) -> dict[str, Any]:
         """``get-slices``: the rows of output partition ``index`` of the splits of
         shoal's shuffle among ``keys`` that this worker holds (:mod:`.shuffle`)."""
-        found = shuffle.serve_slices(self.store, keys, index)
-        sizes = {k: sizeof(v) for k, v in found.items()}
-        self.traffic.served(comm.destination, sizes, {})
-        return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
+        held, rows = shuffle.serve_slices(self.store, keys, index)
+        size = sum(map(sizeof, rows))
+        self.traffic.served(comm.destination, {"rows": size}, {})
+        return {"held": held, "rows": to_serialize(rows, size)}
+
+    def split_outputs(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
+        """``split-outputs``: for each split of shoal's shuffle among ``keys`` that
+        this worker holds, the output partitions it has rows for (:mod:`.shuffle`)."""
+        held, outputs = shuffle.serve_outputs(self.store, keys)
+        return {"held": held, "outputs": outputs}
 
     def has_keys(self, comm: Comm | None, keys: list[Any]) -> dict[str, list[Any]]:
         """``{"held": [key, ...]}``: those of ``keys`` this worker holds, that a

@@ -127,6 +127,7 @@ class Worker(PeerData):
                 "get-data": self.get_data,
                 "has-keys": self.has_keys,
                 "get-slices": self.get_slices,
+                "split-outputs": self.split_outputs,
                 "update-data": self.update_data,
                 "run": self.run_function,
                 "identity": self.identity,

@@ -1,41 +1,49 @@
 """shoal's own shuffle, on the workers: the functions of its tasks, and the
-``get-slices`` request peers answer. The graph (one task per input partition, one
-barrier, one per output partition) is made by :mod:`shoal.client.shuffle`; the theory
-is in docs/shuffle.md.
+``split-outputs`` and ``get-slices`` requests peers answer. The graph (one task per
+input partition, one barrier, one per output partition) is made by
+:mod:`shoal.client.shuffle`; the theory is in docs/shuffle.md.
 
-- **split** (one task per input partition): the partition's rows sorted by their output
-  partition (a stable sort: rows keep their order within each output), and the offset
-  where each output's rows start. That is the task's value, kept where it was made like
-  any other: in this worker's store (spilled under memory pressure, placed in shared
-  memory when large, freed by the scheduler). Nothing is sent anywhere yet.
+- **split** (one task per input partition): a :class:`Split`, the partition's rows
+  sorted (stably) by their output partition and the offset where each output's rows
+  start. That is the task's value, kept where it was made like any other: in this
+  worker's store (spilled under memory pressure, placed in shared memory when large,
+  freed by the scheduler). Nothing is sent anywhere yet.
 - **locate** (the barrier): a task the scheduler marks ``locate``. Its worker fetches
   none of its inputs; it gets their :class:`Location` instead (who holds each split,
-  its size, its segment), and returns them. The scheduler keeps the splits while it is
-  held, and makes it again when one of them is lost (a worker died), which sends the
-  output tasks that needed that split back to wait for the new one.
-- **assemble** (one task per output partition): its rows out of every split, taken by
-  distance, then concatenated in input order: from this worker's store by reference;
-  mapped from a same-host segment and sliced, with no peer involved; from the other
-  holders with one ``get-slices`` request each, all at once, each holder sending only
-  that output's rows. A holder that cannot be reached gives the task back
-  (:class:`~shoal.errors.Reschedule`): the scheduler has lost that worker, or soon
-  will, and runs the task again once the lost splits are made again.
+  its size, its segment), and returns them (a :class:`Placement`). The scheduler
+  keeps the splits while it is held, and makes it again when one of them is lost (a
+  worker died), which sends the output tasks that needed that split back to wait.
+- **assemble** (one per output partition): its rows out of every split that has any,
+  taken by distance, then joined in input order. A worker learns once per shuffle
+  which outputs each split has rows for (:class:`Sources`: the splits it holds, those
+  of its host it maps from shared memory, and one ``split-outputs`` request to each
+  other holder); an assembly then touches only the splits with rows for it: from this
+  worker's store by reference, sliced from a mapped segment with no peer involved,
+  from the other holders with one ``get-slices`` request each, all at once. A holder
+  that cannot be reached gives the task back (:class:`~shoal.errors.Reschedule`).
+
+Rows travel column by column (:class:`Bundle`: the numpy or pandas extension arrays
+of a holder's splits for one output, joined by the holder when they are small, and
+which input each run of rows came from), and an output is joined a column at a time,
+in input order: slicing a split costs microseconds however many outputs there are,
+and only rows of inputs whose columns differ in type go through dask's ``concat``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CommError, Reschedule, ShuffleError
 
-__all__ = ["Location", "output_numbers", "split", "locate", "assemble", "concat", "rows_of", "SPLIT_PREFIX",
-           "LOCATE_PREFIX"]
+__all__ = ["Location", "Placement", "Split", "Bundle", "Sources", "output_numbers", "split", "locate", "assemble",
+           "bundle", "join", "concat", "rows_of", "serve_slices", "serve_outputs", "SPLIT_PREFIX", "LOCATE_PREFIX"]
 
 #: the key prefixes of the shuffle's tasks (the client names them; the worker's
-#: ``get-slices`` serves values of split tasks only)
+#: ``get-slices`` and ``split-outputs`` serve values of split tasks only)
 SPLIT_PREFIX = "shoal-shuffle-split"
 LOCATE_PREFIX = "shoal-shuffle-locate"
 #: seconds an assembly waits before it gives itself back when a holder is unreachable
@@ -51,6 +59,257 @@ class Location:
     holders: tuple[str, ...]
     nbytes: int = 0
     shm: Any = None
+
+
+class Placement(list):  # type: ignore[type-arg]
+    """The barrier's value: where each split is (:class:`Location`, in input order),
+    or, under a scheduler that does not know ``locate``, the splits themselves. Each
+    worker that assembles from it keeps its :class:`Sources` here, for as long as it
+    holds the value (never sent along: a copy elsewhere learns its own)."""
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self._sources: dict[str, concurrent.futures.Future[Sources]] = {}
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> Any:
+        return (Placement, (list(self),))
+
+
+class _Form:
+    """What the rows of one split share: a series or a frame, its column labels (a
+    series: its name), the type of each column, and its index (a MultiIndex or not,
+    the levels' names and types). Forms that are equal (:attr:`key`) join column by
+    column."""
+
+    __slots__ = ("series", "labels", "dtypes", "index", "key")
+
+    def __init__(self, series: bool, labels: Any, dtypes: tuple[Any, ...], index: tuple[Any, ...]) -> None:
+        self.series, self.labels, self.dtypes, self.index = series, labels, dtypes, index
+        named = (labels,) if series else (tuple(labels), str(labels.dtype), labels.nlevels)
+        self.key = (series, named, dtypes, index)
+
+    def __getstate__(self) -> Any:
+        return (self.series, self.labels, self.dtypes, self.index)
+
+    def __setstate__(self, state: Any) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def same(self, other: _Form) -> bool:
+        return other is self or other.key == self.key
+
+    def build(self, arrays: list[Any], ignore_index: bool = False) -> Any:
+        """A series or frame of ``arrays`` (its columns, then its index's levels), no
+        copy. Each column keeps its type: pandas would read strings in an object
+        array as its string type."""
+        import pandas as pd
+
+        n = len(self.dtypes)
+        data, levels = arrays[:n], arrays[n:]
+        multi, names, types = self.index
+        if ignore_index:
+            index = pd.RangeIndex(len(levels[0]))
+        elif multi:
+            index = pd.MultiIndex.from_arrays([pd.Index(a, dtype=t, copy=False) for a, t in zip(levels, types)],
+                                              names=list(names))
+        else:
+            index = pd.Index(levels[0], dtype=types[0], name=names[0], copy=False)
+        if self.series:
+            return pd.Series(data[0], index=index, name=self.labels, dtype=self.dtypes[0], copy=False)
+        # (series on this very index: the frame takes them without aligning them)
+        frame = pd.DataFrame({i: pd.Series(c, index=index, dtype=t, copy=False)
+                              for i, (c, t) in enumerate(zip(data, self.dtypes))}, index=index, copy=False)
+        frame.columns = self.labels
+        return frame
+
+
+def _array(values: Any) -> Any:
+    """A series' or index's values, without copying: numpy for numpy types, pandas'
+    extension arrays for the others."""
+    import numpy as np
+
+    return values.to_numpy() if isinstance(values.dtype, np.dtype) else values.array
+
+
+def _arrays(frame: Any) -> tuple[_Form, list[Any]]:
+    """``frame``'s form and its arrays: its columns, then its index's levels."""
+    import pandas as pd
+
+    index = frame.index
+    multi = isinstance(index, pd.MultiIndex)
+    levels = [index.get_level_values(i) for i in range(index.nlevels)] if multi else [index]
+    index_form = (multi, tuple(index.names), tuple(level.dtype for level in levels))
+    if frame.ndim == 1:
+        form = _Form(True, frame.name, (frame.dtype,), index_form)
+        columns = [_array(frame)]
+    else:
+        form = _Form(False, frame.columns, tuple(frame.dtypes), index_form)
+        columns = [_array(frame.iloc[:, i]) for i in range(frame.shape[1])]
+    return form, columns + [_array(level) for level in levels]
+
+
+def _concat_arrays(arrays: list[Any]) -> Any:
+    """One array of ``arrays`` (all of one type), always a new one."""
+    import numpy as np
+
+    first = arrays[0]
+    if isinstance(first, np.ndarray):
+        return np.concatenate(arrays)
+    if len(arrays) == 1:
+        return first.copy()
+    return type(first)._concat_same_type(arrays)
+
+
+def _take(array: Any, order: Any) -> Any:
+    import numpy as np
+
+    return array[order] if isinstance(array, np.ndarray) else array.take(order)
+
+
+#: chunks of a bundle smaller than this on average are joined by their holder (one
+#: array to pickle, not one per split); larger ones travel as they are
+_SMALL_CHUNKS = 16 * 1024
+
+
+class Bundle:
+    """The rows of one output partition from several splits of one form: for each
+    array (the frame's columns, then its index's levels) its chunks, one per split in
+    ``positions`` order (or, joined, one for all), and how many rows came from each
+    (``lengths``)."""
+
+    __slots__ = ("form", "positions", "lengths", "chunks")
+
+    def __init__(self, form: _Form, positions: Any, lengths: Any, chunks: list[list[Any]]) -> None:
+        self.form, self.positions, self.lengths, self.chunks = form, positions, lengths, chunks
+
+    def __getstate__(self) -> Any:
+        return (self.form, self.positions, self.lengths, self.chunks)
+
+    def __setstate__(self, state: Any) -> None:
+        self.form, self.positions, self.lengths, self.chunks = state
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.sum())
+
+    def __sizeof__(self) -> int:
+        return 64 + sum(int(getattr(c, "nbytes", 0)) for chunks in self.chunks for c in chunks)
+
+    def arrays(self) -> list[Any]:
+        """Each array, its chunks joined (new arrays)."""
+        return [_concat_arrays(chunks) for chunks in self.chunks]
+
+    def runs(self) -> list[tuple[int, Any]]:
+        """``(position, rows)`` of each split, as pandas frames (or series)."""
+        import numpy as np
+
+        whole = self.form.build(self.arrays())
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)])
+        return [(int(p), whole.iloc[int(a) : int(b)]) for p, a, b in zip(self.positions, bounds[:-1], bounds[1:])]
+
+
+def bundle(splits: list[tuple[int, Split]], index: int) -> list[Bundle]:
+    """The rows of output ``index`` of ``splits`` (``(position, split)``, positions
+    ascending): one :class:`Bundle` per form among them (one, unless the inputs'
+    columns differ in type)."""
+    import numpy as np
+
+    groups: list[tuple[_Form, list[int], list[int], list[list[Any]]]] = []
+    for pos, value in splits:
+        start, stop = value.bounds(index)
+        form, arrays = value.parts()
+        group = next((g for g in reversed(groups) if g[0].same(form)), None)
+        if group is None:
+            group = (form, list[int](), list[int](), [[] for _ in arrays])
+            groups.append(group)
+        group[1].append(pos)
+        group[2].append(stop - start)
+        for chunks, array in zip(group[3], arrays):
+            chunks.append(array[start:stop])
+    out = []
+    for form, positions, lengths, chunks in groups:
+        if len(positions) > 1 and sum(int(getattr(c, "nbytes", 0)) for c in chunks[0]) < _SMALL_CHUNKS * len(positions):
+            chunks = [[_concat_arrays(c)] for c in chunks]
+        out.append(Bundle(form, np.asarray(positions, dtype=np.int64), np.asarray(lengths, dtype=np.int64), chunks))
+    return out
+
+
+def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
+    """``bundles`` as one frame, rows in input order: column by column when they are
+    of one form, else by dask's rules (:func:`concat`). No rows at all: the first
+    bundle's empty frame (the data's types), or ``meta`` when there is none."""
+    import numpy as np
+
+    full = [b for b in bundles if b.rows]
+    if not full:
+        return bundles[0].form.build(bundles[0].arrays(), ignore_index) if bundles else meta
+    form = full[0].form
+    if all(form.same(b.form) for b in full[1:]) and (form.series or form.dtypes):
+        width = len(full[0].chunks)
+        if all(len(b.chunks[0]) == len(b.positions) for b in full):  # a chunk per split: put them in order
+            order = sorted((p, i, j) for i, b in enumerate(full) for j, p in enumerate(b.positions.tolist()))
+            arrays = [_concat_arrays([full[i].chunks[a][j] for _, i, j in order]) for a in range(width)]
+        else:  # (small rows joined by their holders: interleaved row by row, if need be)
+            arrays = [_concat_arrays([c for b in full for c in b.chunks[a]]) for a in range(width)]
+            keys = np.concatenate([np.repeat(b.positions, b.lengths) for b in full])
+            if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
+                rows = np.argsort(keys, kind="stable")
+                arrays = [_take(a, rows) for a in arrays]
+        return form.build(arrays, ignore_index)
+    runs = sorted((run for b in full for run in b.runs()), key=lambda run: run[0])
+    out = concat([rows for _, rows in runs], meta, ignore_index)
+    # (dask's concat keeps the index of frames with categories, ignore_index or not)
+    return out.reset_index(drop=True) if ignore_index else out
+
+
+class Split:
+    """The value of a split task: an input partition's rows sorted (stably) by output
+    partition (``frame``), the outputs it has rows for (``outputs``, ascending), where
+    each of their rows start (``starts``, one more than ``outputs``) and how many
+    outputs the shuffle has (``n``). Sparse: a split of a few rows into 10,000 outputs
+    holds a few numbers, not 10,000."""
+
+    __slots__ = ("frame", "outputs", "starts", "n", "_parts", "__weakref__")
+
+    def __init__(self, frame: Any, outputs: Any, starts: Any, n: int) -> None:
+        self.frame, self.outputs, self.starts, self.n = frame, outputs, starts, n
+        self._parts: tuple[_Form, list[Any]] | None = None
+
+    def __reduce__(self) -> Any:
+        return (Split, (self.frame, self.outputs, self.starts, self.n))
+
+    def __sizeof__(self) -> int:
+        from ..protocol.sizes import managed_sizeof
+
+        return managed_sizeof(self.frame) + int(self.outputs.nbytes + self.starts.nbytes) + 64
+
+    def nonempty(self) -> Any:
+        """The output partitions this split has rows for (ascending)."""
+        return self.outputs
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """Where output ``index``'s rows start and stop."""
+        import numpy as np
+
+        if not 0 <= index < self.n:
+            raise ShuffleError(f"output partition {index} of a shuffle into {self.n}")
+        i = int(np.searchsorted(self.outputs, index))
+        start = int(self.starts[i])
+        if i < len(self.outputs) and self.outputs[i] == index:
+            return start, int(self.starts[i + 1])
+        return start, start
+
+    def rows(self, index: int) -> Any:
+        """Output ``index``'s rows as a slice of the frame."""
+        start, stop = self.bounds(index)
+        return self.frame.iloc[start:stop]
+
+    def parts(self) -> tuple[_Form, list[Any]]:
+        """The frame's form and arrays (made once)."""
+        parts = self._parts
+        if parts is None:
+            parts = self._parts = _arrays(self.frame)
+        return parts
 
 
 def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
@@ -70,34 +329,33 @@ def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
     return np.asarray(numbers).astype(np.int64, copy=False)
 
 
-def split(df: Any, on: Any, npartitions: int) -> tuple[Any, Any]:
+def split(df: Any, on: Any, npartitions: int) -> Split:
     """``df``'s rows sorted (stably) by their output partition (see
-    :func:`output_numbers`), and the offsets where each output's rows start
-    (``npartitions + 1`` of them). Raises :class:`~shoal.errors.ShuffleError` for a
-    number outside ``[0, npartitions)``."""
+    :func:`output_numbers`), and where each output's rows start. Raises
+    :class:`~shoal.errors.ShuffleError` for a number outside ``[0, npartitions)``."""
     import numpy as np
 
     parts = output_numbers(df, on, npartitions)
     if len(parts) and (parts.min() < 0 or parts.max() >= npartitions):
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
     order = np.argsort(parts, kind="stable")
-    counts = np.bincount(parts, minlength=npartitions) if len(parts) else np.zeros(npartitions, dtype=np.int64)
-    offsets = np.zeros(npartitions + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
+    ordered = parts[order]
+    if len(ordered):  # (where the output number changes)
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(ordered)) + 1, [len(ordered)]]).astype(np.int64)
+        outputs = ordered[starts[:-1]]
+    else:
+        starts, outputs = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     if len(parts) and not (order[1:] > order[:-1]).all():
         df = df.take(order)
-    return df, offsets
+    return Split(df, outputs, starts, npartitions)
 
 
-def rows_of(value: Any, index: int) -> Any:
+def rows_of(value: Split, index: int) -> Any:
     """The rows of output partition ``index`` in the value of a split task."""
-    df, offsets = value
-    if not 0 <= index < len(offsets) - 1:
-        raise ShuffleError(f"output partition {index} of a shuffle into {len(offsets) - 1}")
-    return df.iloc[int(offsets[index]) : int(offsets[index + 1])]
+    return value.rows(index)
 
 
-def locate(*inputs: Any) -> list[Any]:
+def locate(*inputs: Any) -> Placement:
     """The barrier: where each split is (a shoal worker passes their
     :class:`Location`). Under a scheduler that does not know ``locate`` tasks (dask's
     own, in a test's ``compute(scheduler="sync")``) it gets the splits themselves and
@@ -105,21 +363,23 @@ def locate(*inputs: Any) -> list[Any]:
     kinds = {isinstance(x, Location) for x in inputs}
     if len(kinds) > 1:
         raise ShuffleError("the shuffle's barrier got both splits and the locations of splits")
-    return list(inputs)
+    return Placement(inputs)
 
 
 def assemble(inputs: list[Any], index: int, meta: Any, ignore_index: bool = False) -> Any:
     """Output partition ``index``: its rows of every split (``inputs``: where they are,
-    or the splits themselves, see :func:`locate`), concatenated in input order as dask
+    or the splits themselves, see :func:`locate`), joined in input order as dask
     concatenates (``ignore_index``: a new index; ``meta``: the frame's empty form, for
     no inputs)."""
     if inputs and isinstance(inputs[0], Location):
         from .context import get_worker
 
-        got = pieces(get_worker(), inputs, index)
+        if not isinstance(inputs, Placement):
+            inputs = Placement(inputs)
+        got = bundles(get_worker(), inputs, index)
     else:
-        got = [rows_of(value, index) for value in inputs]
-    return concat(got, meta, ignore_index)
+        got = bundle(list(enumerate(inputs)), index)
+    return join(got, meta, ignore_index)
 
 
 def concat(frames: list[Any], meta: Any, ignore_index: bool) -> Any:
@@ -142,81 +402,211 @@ def concat(frames: list[Any], meta: Any, ignore_index: bool) -> Any:
     return dask_concat(full, uniform=True, ignore_index=ignore_index)
 
 
-# -- on the worker (assemble's pulls, and the get-slices request)
+# -- on the worker (what an assembly reads where, and the requests peers answer)
 
-def local_pieces(worker: Any, locations: list[Location], index: int) -> tuple[dict[int, Any], dict[str, list[int]]]:
-    """The rows of ``index`` of the splits this worker holds or can map (by position
-    in ``locations``), and the positions left to ask each holder for."""
-    from ..comm import shm
+class _ByOutput:
+    """The positions (ascending) of the splits with rows for each output, from
+    ``{position: the outputs its split has rows for}`` (each value ascending)."""
 
-    here: dict[int, Any] = {}
-    ask: dict[str, list[int]] = {}
-    address = worker.address
-    for pos, loc in enumerate(locations):
-        if address in loc.holders:
-            continue  # read on the loop (the store is the loop's)
-        if loc.shm is not None and worker.use_shm:
-            try:
-                here[pos] = rows_of(shm.attach(loc.shm), index)
+    def __init__(self, outputs_of: dict[int, Any]) -> None:
+        import numpy as np
+
+        items = sorted(outputs_of.items())
+        outs = [np.asarray(o, dtype=np.int64) for _, o in items]
+        if not outs or not sum(map(len, outs)):
+            self.positions = np.zeros(0, dtype=np.int64)
+            self.starts = np.zeros(1, dtype=np.int64)
+            return
+        flat = np.concatenate(outs)
+        positions = np.repeat(np.fromiter((p for p, _ in items), np.int64, len(items)), [len(o) for o in outs])
+        order = np.argsort(flat, kind="stable")  # (by output; within one, by position)
+        self.positions = positions[order]
+        self.starts = np.zeros(int(flat.max()) + 2, dtype=np.int64)
+        np.cumsum(np.bincount(flat), out=self.starts[1:])
+
+    def __call__(self, index: int) -> list[int]:
+        if index + 1 >= len(self.starts):
+            return []
+        return self.positions[self.starts[index] : self.starts[index + 1]].tolist()
+
+
+class Sources:
+    """Where one worker finds the pieces of each output of one placement: the splits
+    it holds (read from its store on its event loop), those of its host it mapped
+    from shared memory (sliced in the task's thread, their holders not involved), and
+    the positions each other holder is asked for. Learned once per worker and
+    placement (:meth:`learn`); kept on the placement while the worker holds it."""
+
+    def __init__(self, mine: dict[int, Any], mapped: dict[int, Split],
+                 remote: dict[str, dict[int, Any]]) -> None:
+        self.mapped = mapped
+        self._mine = _ByOutput(mine)
+        self._mapped = _ByOutput({p: s.nonempty() for p, s in mapped.items()})
+        self._remote = {holder: _ByOutput(outputs) for holder, outputs in remote.items()}
+        self._where: dict[int, str | None] = {p: None for p in mine}
+        self._where.update({p: "" for p in mapped})
+        for holder, outputs in remote.items():
+            self._where.update({p: holder for p in outputs})
+
+    @classmethod
+    def learn(cls, worker: Any, placement: Placement) -> Sources:
+        """What ``worker`` needs to know of ``placement`` (in a task's thread)."""
+        from ..comm import shm
+
+        address = worker.address
+        mine: list[int] = []
+        mapped: dict[int, Split] = {}
+        ask: dict[str, list[int]] = {}
+        for pos, loc in enumerate(placement):
+            if address in loc.holders:
+                mine.append(pos)
                 continue
-            except Exception:  # noqa: BLE001 - gone, reused: ask a holder
-                pass
-        if not loc.holders:
-            raise ShuffleError(f"no worker holds {loc.key!r} (input {pos} of the shuffle)")
-        ask.setdefault(loc.holders[0], []).append(pos)
-    return here, ask
+            if loc.shm is not None and worker.use_shm:
+                try:
+                    value = shm.attach(loc.shm)
+                except Exception:  # noqa: BLE001 - gone, reused, out of descriptors: ask a holder
+                    value = None
+                if isinstance(value, Split):
+                    mapped[pos] = value
+                    continue
+            if not loc.holders:
+                raise ShuffleError(f"no worker holds {loc.key!r} (input {pos} of the shuffle)")
+            ask.setdefault(loc.holders[0], []).append(pos)
+        mine_outputs, remote = _on_loop(worker, _learn(worker, placement, mine, ask))
+        return cls(mine_outputs, mapped, remote)
+
+    def wanted(self, index: int) -> tuple[list[int], list[int], dict[str, list[int]]]:
+        """The positions with rows for output ``index``: held here, mapped, and to
+        ask each holder for. None anywhere: the first split (no rows), for the
+        output's types."""
+        mine, mapped = self._mine(index), self._mapped(index)
+        ask = {h: got for h, table in self._remote.items() if (got := table(index))}
+        if not (mine or mapped or ask) and self._where:
+            where = self._where[0]
+            if where is None:
+                mine = [0]
+            elif where == "":
+                mapped = [0]
+            else:
+                ask = {where: [0]}
+        return mine, mapped, ask
 
 
-def pieces(worker: Any, locations: list[Location], index: int) -> list[Any]:
-    """The rows of ``index`` of every split, by distance (see the module); run in a
-    task's thread. Raises :class:`~shoal.errors.Reschedule` when a holder cannot be
-    reached, :class:`~shoal.errors.ShuffleError` when one answers without a split."""
-    here, ask = local_pieces(worker, locations, index)
-    mine = [pos for pos, loc in enumerate(locations) if worker.address in loc.holders]
-    future = asyncio.run_coroutine_threadsafe(_gather(worker, locations, index, mine, ask), worker.loop)
+def _sources(worker: Any, placement: Placement) -> Sources:
+    """``worker``'s :class:`Sources` of ``placement``: learned by the first of its
+    assemblies, the others waiting for it out of the thread pool (a thread that held
+    a lock while it waits could hold the slot the learner needs to come back to)."""
+    with placement._lock:
+        entry = placement._sources.get(worker.address)
+        learner = entry is None
+        if entry is None:
+            entry = placement._sources[worker.address] = concurrent.futures.Future()
+    if learner:
+        try:
+            entry.set_result(Sources.learn(worker, placement))
+        except BaseException as exc:
+            with placement._lock:
+                placement._sources.pop(worker.address, None)  # the next assembly tries again
+            entry.set_exception(exc)
+            raise
+    elif not entry.done():
+        from .context import waiting
+
+        with waiting():
+            concurrent.futures.wait([entry])
+    return entry.result()
+
+
+def _on_loop(worker: Any, coroutine: Any) -> Any:
+    """Run ``coroutine`` on the worker's event loop from a task's thread (the thread
+    leaves the pool while it waits)."""
+    future = asyncio.run_coroutine_threadsafe(coroutine, worker.loop)
     try:
         from .context import waiting
 
         with waiting():
-            got = future.result()
+            return future.result()
     except concurrent.futures.CancelledError as exc:
         raise Reschedule("the worker is closing") from exc
-    here.update(got)
-    return [here[pos] for pos in range(len(locations))]
 
 
-async def _gather(worker: Any, locations: list[Location], index: int, mine: list[int],
-                  ask: dict[str, list[int]]) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-    store = worker.store
-    for pos in mine:
-        key = locations[pos].key
-        if key not in store:
-            raise ShuffleError(f"this worker was to hold {key!r} (input {pos} of the shuffle) and does not")
-        out[pos] = rows_of(store.peek(key), index)
-    if ask:
-        results = await asyncio.gather(*(_ask(worker, holder, [locations[p].key for p in positions], index)
-                                         for holder, positions in ask.items()), return_exceptions=True)
-        for (holder, positions), result in zip(ask.items(), results):
-            if isinstance(result, BaseException):
-                if isinstance(result, (CommError, OSError, asyncio.TimeoutError)):
-                    # the scheduler loses that worker (or has): the task comes back once
-                    # the splits it held are made again; a pause, not a spin, meanwhile
-                    await asyncio.sleep(UNREACHABLE_PAUSE)
-                    raise Reschedule(f"cannot reach {holder} for its part of the shuffle: {result}") from result
-                raise result
-            for pos in positions:
-                key = locations[pos].key
-                if key not in result:
-                    raise ShuffleError(f"{holder} does not hold {key!r} (input {pos} of the shuffle) any more")
-                out[pos] = result[key]
+def bundles(worker: Any, placement: Placement, index: int) -> list[Bundle]:
+    """The rows of output ``index``, by distance (see the module); run in a task's
+    thread. Raises :class:`~shoal.errors.Reschedule` when a holder cannot be reached,
+    :class:`~shoal.errors.ShuffleError` when one answers without a split."""
+    sources = _sources(worker, placement)
+    mine, mapped, ask = sources.wanted(index)
+    got = bundle([(pos, sources.mapped[pos]) for pos in mapped], index)
+    if mine or ask:
+        got.extend(_on_loop(worker, _gather(worker, placement, index, mine, ask)))
+    return got
+
+
+async def _ask_all(worker: Any, placement: Placement, ask: dict[str, list[int]], op: str,
+                   **fields: Any) -> list[tuple[list[int], Any]]:
+    """Ask each holder in ``ask`` (``op``: get-slices or split-outputs) about the
+    splits at its positions, all at once; ``(positions, answer)`` of each."""
+    if not ask:
+        return []
+    results = await asyncio.gather(*(_ask(worker, holder, op, [placement[p].key for p in positions], **fields)
+                                     for holder, positions in ask.items()), return_exceptions=True)
+    out = []
+    for (holder, positions), result in zip(ask.items(), results):
+        if isinstance(result, BaseException):
+            if isinstance(result, (CommError, OSError, asyncio.TimeoutError)):
+                # the scheduler loses that worker (or has): the task comes back once
+                # the splits it held are made again; a pause, not a spin, meanwhile
+                await asyncio.sleep(UNREACHABLE_PAUSE)
+                raise Reschedule(f"cannot reach {holder} for its part of the shuffle: {result}") from result
+            raise result
+        held = set(result["held"])
+        for i, pos in enumerate(positions):
+            if i not in held:
+                key = placement[pos].key
+                raise ShuffleError(f"{holder} does not hold {key!r} (input {pos} of the shuffle) any more")
+        out.append((positions, result))
     return out
 
 
-async def _ask(worker: Any, holder: str, keys: list[Any], index: int) -> dict[Any, Any]:
+def _held(worker: Any, placement: Placement, positions: list[int]) -> dict[int, Split]:
+    store = worker.store
+    out = {}
+    for pos in positions:
+        key = placement[pos].key
+        if key not in store:
+            raise ShuffleError(f"this worker was to hold {key!r} (input {pos} of the shuffle) and does not")
+        out[pos] = store.peek(key)
+    return out
+
+
+async def _learn(worker: Any, placement: Placement, mine: list[int],
+                 ask: dict[str, list[int]]) -> tuple[dict[int, Any], dict[str, dict[int, Any]]]:
+    import numpy as np
+
+    outputs = {pos: value.nonempty() for pos, value in _held(worker, placement, mine).items()}
+    remote: dict[str, dict[int, Any]] = {}
+    for (holder, positions), (_, answer) in zip(ask.items(), await _ask_all(worker, placement, ask, "split-outputs")):
+        remote[holder] = {pos: np.asarray(got, dtype=np.int64) for pos, got in zip(positions, answer["outputs"])}
+    return outputs, remote
+
+
+async def _gather(worker: Any, placement: Placement, index: int, mine: list[int],
+                  ask: dict[str, list[int]]) -> list[Bundle]:
+    import numpy as np
+
+    out = bundle(list(_held(worker, placement, mine).items()), index)
+    for positions, answer in await _ask_all(worker, placement, ask, "get-slices", index=index):
+        where = np.asarray(positions, dtype=np.int64)
+        for got in answer["rows"]:
+            got.positions = where[got.positions]  # (their place in the request: in the placement)
+            out.append(got)
+    return out
+
+
+async def _ask(worker: Any, holder: str, op: str, keys: list[Any], **fields: Any) -> dict[str, Any]:
     comm = await worker.pool.connect(holder)
     try:
-        await comm.write({"op": "get-slices", "reply": True, "keys": keys, "index": index})
+        await comm.write({"op": op, "reply": True, "keys": keys, **fields})
         response = await comm.read()
     except BaseException:
         comm.abort()
@@ -226,17 +616,34 @@ async def _ask(worker: Any, holder: str, keys: list[Any], index: int) -> dict[An
     if not isinstance(response, dict) or response.get("status") != "OK":
         text = response.get("message") if isinstance(response, dict) else repr(response)
         raise ShuffleError(f"{holder} could not send its part of the shuffle: {text}")
-    return dict(response["result"]["data"])
+    return response["result"]
 
 
-def serve_slices(store: Any, keys: list[Any], index: int) -> dict[Any, Any]:
-    """``get-slices``: the rows of output ``index`` of the split values among
-    ``keys`` this worker holds (the others are left out)."""
-    out: dict[Any, Any] = {}
-    for key in keys:
+def _splits(store: Any, keys: list[Any], op: str) -> list[tuple[int, Split]]:
+    """The split values among ``keys`` this worker holds, with their place in ``keys``."""
+    out = []
+    for i, key in enumerate(keys):
         name = key[0] if isinstance(key, tuple) and key else key
         if not (isinstance(name, str) and name.startswith(SPLIT_PREFIX)):
-            raise ShuffleError(f"get-slices serves the values of shuffle splits only, not {key!r:.100}")
+            raise ShuffleError(f"{op} serves the values of shuffle splits only, not {key!r:.100}")
         if key in store:
-            out[key] = rows_of(store.peek(key), index)
+            value = store.peek(key)
+            if not isinstance(value, Split):
+                raise ShuffleError(f"{key!r:.100} holds no split of shoal's shuffle")
+            out.append((i, value))
     return out
+
+
+def serve_slices(store: Any, keys: list[Any], index: int) -> tuple[list[int], list[Bundle]]:
+    """``get-slices``: which of ``keys`` this worker holds (their places in ``keys``),
+    and the rows of output ``index`` of those splits (bundles whose positions are
+    places in ``keys``)."""
+    splits = _splits(store, keys, "get-slices")
+    return [i for i, _ in splits], bundle(splits, index)
+
+
+def serve_outputs(store: Any, keys: list[Any]) -> tuple[list[int], list[list[int]]]:
+    """``split-outputs``: which of ``keys`` this worker holds (their places in
+    ``keys``), and for each the output partitions its split has rows for."""
+    splits = _splits(store, keys, "split-outputs")
+    return [i for i, _ in splits], [value.nonempty().tolist() for _, value in splits]

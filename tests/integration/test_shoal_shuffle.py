@@ -109,6 +109,27 @@ def test_a_shuffle_is_two_tasks_per_partition_and_one():
         pd.testing.assert_frame_equal(sort(client.compute(shuffled).result()), sort(df))
 
 
+def test_many_sparse_partitions_come_out_right_and_in_input_order():
+    """100 partitions into 400 on worker processes: most splits have rows for few
+    outputs (an assembly asks only the holders with rows for it), strings and
+    categories travel as arrays, and each output holds its rows in input order (the
+    original row numbers, kept in the index, increase within every output)."""
+    rng = np.random.default_rng(11)
+    n = 6_000
+    df = pd.DataFrame({"k": rng.integers(0, 50_000, n), "s": rng.choice(["ab", "c", "dé"], n),
+                       "c": pd.Categorical(rng.choice(["x", "y"], n)), "v": rng.random(n)})
+    shuffled = dd.from_pandas(df, npartitions=100, sort=False).shuffle("k", npartitions=400, shuffle_method="shoal")
+    with shoal.Client(n_workers=2, processes=True, dashboard_address=None) as client:
+        parts = client.gather(client.compute(shuffled.to_delayed()))
+    assert len(parts) == 400
+    for part in parts:
+        assert part.index.is_monotonic_increasing, "rows of an output in input order"
+    got = pd.concat(parts).sort_index()
+    pd.testing.assert_frame_equal(got, df.astype({"s": got.s.dtype}), check_categorical=False)
+    owner = {k: i for i, part in enumerate(parts) for k in part.k}
+    assert len(owner) == df.k.nunique() and all(owner[k] == i for i, part in enumerate(parts) for k in part.k)
+
+
 class KillAtTheBarrier(SchedulerPlugin):
     """Kills (-9) the worker holding the first split the moment the barrier is in
     memory (the assemblies about to start), once; counts the barrier's runs."""
