@@ -40,7 +40,7 @@ from typing import Any
 from ..errors import CommError, Reschedule, ShuffleError
 
 __all__ = ["Location", "Placement", "Split", "Bundle", "Sources", "output_numbers", "split", "locate", "assemble",
-           "bundle", "join", "concat", "rows_of", "serve_slices", "serve_outputs", "SPLIT_PREFIX", "LOCATE_PREFIX"]
+           "bundle", "join", "serve_slices", "serve_outputs", "SPLIT_PREFIX", "LOCATE_PREFIX"]
 
 #: the key prefixes of the shuffle's tasks (the client names them; the worker's
 #: ``get-slices`` and ``split-outputs`` serve values of split tasks only)
@@ -99,16 +99,16 @@ class _Form:
         return other is self or other.key == self.key
 
     def build(self, arrays: list[Any], ignore_index: bool = False) -> Any:
-        """A series or frame of ``arrays`` (its columns, then its index's levels), no
-        copy. Each column keeps its type: pandas would read strings in an object
-        array as its string type."""
+        """A series or frame of ``arrays`` (its columns, then its index's levels, which
+        ``ignore_index`` needs not), no copy. Each column keeps its type: pandas would
+        read strings in an object array as its string type."""
         import pandas as pd
 
         n = len(self.dtypes)
         data, levels = arrays[:n], arrays[n:]
         multi, names, types = self.index
         if ignore_index:
-            index = pd.RangeIndex(len(levels[0]))
+            index = pd.RangeIndex(len(arrays[0]))
         elif multi:
             index = pd.MultiIndex.from_arrays([pd.Index(a, dtype=t, copy=False) for a, t in zip(levels, types)],
                                               names=list(names))
@@ -236,7 +236,7 @@ def bundle(splits: list[tuple[int, Split]], index: int) -> list[Bundle]:
 
 def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
     """``bundles`` as one frame, rows in input order: column by column when they are
-    of one form, else by dask's rules (:func:`concat`). No rows at all: the first
+    of one form, else by dask's rules (:func:`_concat`). No rows at all: the first
     bundle's empty frame (the data's types), or ``meta`` when there is none."""
     import numpy as np
 
@@ -244,8 +244,9 @@ def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
     if not full:
         return bundles[0].form.build(bundles[0].arrays(), ignore_index) if bundles else meta
     form = full[0].form
-    if all(form.same(b.form) for b in full[1:]) and (form.series or form.dtypes):
-        width = len(full[0].chunks)
+    if all(form.same(b.form) for b in full[1:]) and form.dtypes:
+        # (with ignore_index the index's levels are left out: a new one is made)
+        width = len(form.dtypes) if ignore_index else len(full[0].chunks)
         if all(len(b.chunks[0]) == len(b.positions) for b in full):  # a chunk per split: put them in order
             order = sorted((p, i, j) for i, b in enumerate(full) for j, p in enumerate(b.positions.tolist()))
             arrays = [_concat_arrays([full[i].chunks[a][j] for _, i, j in order]) for a in range(width)]
@@ -256,9 +257,8 @@ def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
                 rows = np.argsort(keys, kind="stable")
                 arrays = [_take(a, rows) for a in arrays]
         return form.build(arrays, ignore_index)
-    runs = sorted((run for b in full for run in b.runs()), key=lambda run: run[0])
-    out = concat([rows for _, rows in runs], meta, ignore_index)
-    # (dask's concat keeps the index of frames with categories, ignore_index or not)
+    runs = sorted((run for b in full for run in b.runs() if len(run[1])), key=lambda run: run[0])
+    out = _concat([rows for _, rows in runs])
     return out.reset_index(drop=True) if ignore_index else out
 
 
@@ -282,10 +282,6 @@ class Split:
         from ..protocol.sizes import managed_sizeof
 
         return managed_sizeof(self.frame) + int(self.outputs.nbytes + self.starts.nbytes) + 64
-
-    def nonempty(self) -> Any:
-        """The output partitions this split has rows for (ascending)."""
-        return self.outputs
 
     def bounds(self, index: int) -> tuple[int, int]:
         """Where output ``index``'s rows start and stop."""
@@ -350,11 +346,6 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     return Split(df, outputs, starts, npartitions)
 
 
-def rows_of(value: Split, index: int) -> Any:
-    """The rows of output partition ``index`` in the value of a split task."""
-    return value.rows(index)
-
-
 def locate(*inputs: Any) -> Placement:
     """The barrier: where each split is (a shoal worker passes their
     :class:`Location`). Under a scheduler that does not know ``locate`` tasks (dask's
@@ -382,24 +373,18 @@ def assemble(inputs: list[Any], index: int, meta: Any, ignore_index: bool = Fals
     return join(got, meta, ignore_index)
 
 
-def concat(frames: list[Any], meta: Any, ignore_index: bool) -> Any:
-    """``frames`` as one, by dask's rules when dask is here (categories unioned, empty
-    frames left out; none but empty ones: the first of them)."""
-    if not frames:
-        return meta
-    full = [f for f in frames if len(f)]
-    if not full:
-        first = frames[0]
-        return first.reset_index(drop=True) if ignore_index else first
-    if len(full) == 1 and not ignore_index:
-        return full[0]
+def _concat(frames: list[Any]) -> Any:
+    """``frames`` (not empty) as one, by dask's rules when dask is here (categories
+    unioned)."""
+    if len(frames) == 1:
+        return frames[0]
     try:
         from dask.dataframe.methods import concat as dask_concat
     except ImportError:  # (a shuffle's graph comes from dask; its tests may run without)
         import pandas as pd
 
-        return pd.concat(full, ignore_index=ignore_index)
-    return dask_concat(full, uniform=True, ignore_index=ignore_index)
+        return pd.concat(frames)
+    return dask_concat(frames, uniform=True)
 
 
 # -- on the worker (what an assembly reads where, and the requests peers answer)
@@ -441,12 +426,13 @@ class Sources:
                  remote: dict[str, dict[int, Any]]) -> None:
         self.mapped = mapped
         self._mine = _ByOutput(mine)
-        self._mapped = _ByOutput({p: s.nonempty() for p, s in mapped.items()})
+        self._mapped = _ByOutput({p: s.outputs for p, s in mapped.items()})
         self._remote = {holder: _ByOutput(outputs) for holder, outputs in remote.items()}
-        self._where: dict[int, str | None] = {p: None for p in mine}
-        self._where.update({p: "" for p in mapped})
-        for holder, outputs in remote.items():
-            self._where.update({p: holder for p in outputs})
+        #: what an output without rows reads: the first split (none of its rows), for
+        #: the output's types
+        holder = next((h for h, outputs in remote.items() if 0 in outputs), None)
+        self._no_rows: tuple[list[int], list[int], dict[str, list[int]]] = (
+            [0] if 0 in mine else [], [0] if 0 in mapped else [], {holder: [0]} if holder is not None else {})
 
     @classmethod
     def learn(cls, worker: Any, placement: Placement) -> Sources:
@@ -481,14 +467,8 @@ class Sources:
         output's types."""
         mine, mapped = self._mine(index), self._mapped(index)
         ask = {h: got for h, table in self._remote.items() if (got := table(index))}
-        if not (mine or mapped or ask) and self._where:
-            where = self._where[0]
-            if where is None:
-                mine = [0]
-            elif where == "":
-                mapped = [0]
-            else:
-                ask = {where: [0]}
+        if not (mine or mapped or ask):
+            return self._no_rows
         return mine, mapped, ask
 
 
@@ -583,7 +563,7 @@ async def _learn(worker: Any, placement: Placement, mine: list[int],
                  ask: dict[str, list[int]]) -> tuple[dict[int, Any], dict[str, dict[int, Any]]]:
     import numpy as np
 
-    outputs = {pos: value.nonempty() for pos, value in _held(worker, placement, mine).items()}
+    outputs = {pos: value.outputs for pos, value in _held(worker, placement, mine).items()}
     remote: dict[str, dict[int, Any]] = {}
     for (holder, positions), (_, answer) in zip(ask.items(), await _ask_all(worker, placement, ask, "split-outputs")):
         remote[holder] = {pos: np.asarray(got, dtype=np.int64) for pos, got in zip(positions, answer["outputs"])}
@@ -646,4 +626,4 @@ def serve_outputs(store: Any, keys: list[Any]) -> tuple[list[int], list[list[int
     """``split-outputs``: which of ``keys`` this worker holds (their places in
     ``keys``), and for each the output partitions its split has rows for."""
     splits = _splits(store, keys, "split-outputs")
-    return [i for i, _ in splits], [value.nonempty().tolist() for _, value in splits]
+    return [i for i, _ in splits], [value.outputs.tolist() for _, value in splits]

@@ -10,7 +10,7 @@ import pytest
 from worker_harness import Wk, executes, gathers
 
 from shoal.errors import ShuffleError
-from shoal.worker.shuffle import Location, bundle, join, locate, rows_of, serve_outputs, serve_slices, split
+from shoal.worker.shuffle import Location, bundle, join, locate, serve_outputs, serve_slices, split
 from shoal.worker.state import ComputeTaskEvent
 
 
@@ -24,7 +24,7 @@ def frame(n: int, outputs: int, seed: int = 0) -> pd.DataFrame:
 def test_a_split_holds_each_outputs_rows_in_their_order(n, outputs):
     df = frame(n, outputs)
     value = split(df, "_partitions", outputs)
-    got = [rows_of(value, j) for j in range(outputs)]
+    got = [value.rows(j) for j in range(outputs)]
     assert sum(map(len, got)) == n
     for j, rows in enumerate(got):
         expected = df[df["_partitions"] == j]
@@ -38,7 +38,7 @@ def test_output_numbers_out_of_range_are_a_clear_error():
     value = split(df, "_partitions", 3)
     for bad in (-1, 3):
         with pytest.raises(ShuffleError, match="output partition"):
-            rows_of(value, bad)
+            value.rows(bad)
 
 
 def test_the_barrier_takes_locations_or_splits_not_both():
@@ -59,10 +59,10 @@ def test_rows_go_where_dasks_own_shuffle_sends_them():
         value = split(df, on, 5)
         dasks = shuffle_group(df, on, 0, 5, 5, False, 5)
         for j in range(5):
-            pd.testing.assert_frame_equal(rows_of(value, j), dasks[j])
+            pd.testing.assert_frame_equal(value.rows(j), dasks[j])
     series = df["k"]
     value = split(series, [], 4)
-    assert sorted(pd.concat([rows_of(value, j) for j in range(4)])) == sorted(series)
+    assert sorted(pd.concat([value.rows(j) for j in range(4)])) == sorted(series)
 
 
 @pytest.mark.parametrize("ignore_index", [False, True])
