@@ -21,34 +21,70 @@ the pool when it dies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
-from .shm import Segment, SegmentInfo, registry
-from .shm_files import DATA_OFFSET, HEADER, buffer_address, close_writer, segment_header
+from .shm import Segment, SegmentInfo, ShmUnavailable, _writable_segment, registry
+from .shm_files import DATA_OFFSET, HEADER, align, buffer_address, close_writer, owner_mapping, segment_header
 from .shm_registry import BornArray
 
 __all__ = ["enable_array_allocator", "use_array_allocator", "provide_array_memory", "release_array_memory",
-           "publish", "land"]
+           "publish", "land", "for_result"]
 
 _allocator_on = False
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def for_result() -> Iterator[None]:
+    """The large arrays the calling task thread makes in this block are (parts of) its
+    result: one that no pooled segment fits is born in a new segment, not in private
+    memory. Writing it faults its pages in as private memory would, and publishing
+    the result then costs no copy. Threads that do not use the allocator
+    (:func:`use_array_allocator`) allocate as usual."""
+    before = getattr(_thread, "fresh", False)
+    _thread.fresh = True
+    try:
+        yield
+    finally:
+        _thread.fresh = before
 
 
 def provide_array_memory(nbytes: int) -> int | None:
     """Called by numpy (through ``shoal._shmalloc``) for a large allocation in a task
-    thread: the address of ``nbytes`` in a pooled segment, or ``None`` (numpy then
-    allocates as usual) when no retired segment fits."""
+    thread: the address of ``nbytes`` in a pooled segment (in a new one inside
+    :func:`for_result`), or ``None`` (numpy then allocates as usual) when none fits."""
     registry.work_off()
     got = registry.reuse(DATA_OFFSET + nbytes)
+    if got is None and getattr(_thread, "fresh", False):
+        got = _new_segment(DATA_OFFSET + nbytes)
     if got is None:
         return None
     name, fd, size, writer = got
     assert writer is not None  # reuse maps what it reuses unless told not to
     anchor = ctypes.c_char.from_buffer(writer)  # the mapping cannot close while held
     return registry.bear(BornArray(name, size, fd, anchor, ctypes.addressof(anchor)), writer)
+
+
+def _new_segment(need: int) -> tuple[str, int, int, Any] | None:
+    """A new segment of ``need`` bytes, locked and mapped as :meth:`reuse` gives one;
+    ``None`` when shared memory cannot take it."""
+    try:
+        name, fd, size, _ = _writable_segment(need)
+    except ShmUnavailable:
+        return None
+    try:
+        return name, fd, size, owner_mapping(name, size)  # (its pages mapped in one call)
+    except OSError:
+        os.close(fd)
+        registry.unlink(name)
+        return None
 
 
 def land(nbytes: int) -> Any:
@@ -93,23 +129,46 @@ def _free(address: int) -> None:
 
 
 def publish(data: bytes, raws: list[memoryview]) -> Segment | None:
-    """If the value is one array born in a segment, publish that segment as the value
-    (header and pickle stream written in front of the data) and return its record."""
-    if len(raws) != 1 or not registry.has_born() or HEADER + len(data) > DATA_OFFSET:
+    """If the value's largest buffer lies in an array born in a segment, and its other
+    buffers do too (views of one buffer: see :func:`for_result`) or are small enough
+    to be copied in front of that array's data with the pickle stream (a frame's
+    column labels), publish that segment as the value and return its record."""
+    if not raws or not registry.has_born() or HEADER + len(data) > DATA_OFFSET:
         return None
-    start = buffer_address(raws[0])
-    if start is None:
+    spans = []
+    for raw in raws:
+        start = buffer_address(raw)
+        if start is None:
+            return None
+        spans.append((start, raw.nbytes))
+    first, largest = max(spans, key=lambda span: span[1])
+    home = registry.born_holding(first, first + largest) if largest else None
+    if home is None:
         return None
-    end = start + raws[0].nbytes
-    claimed = registry.claim_born(start, end)
+    base, low, high = home.base, home.base + DATA_OFFSET, home.base + home.size
+    layout: list[list[int]] = []
+    copies: list[tuple[int, memoryview]] = []
+    pos = align(HEADER + len(data))
+    for (start, n), raw in zip(spans, raws):
+        if n and low <= start and start + n <= high:
+            layout.append([start - base, n])
+        else:
+            layout.append([pos, n])
+            copies.append((pos, raw))
+            pos = align(pos + n)
+    if pos > DATA_OFFSET:
+        return None
+    claimed = registry.claim_born(first, first + largest)
     if claimed is None:
         return None
     b, writer = claimed
     token = secrets.token_hex(8)
     writer[:HEADER] = segment_header(token)
     writer[HEADER : HEADER + len(data)] = data
+    for offset, raw in copies:
+        writer[offset : offset + raw.nbytes] = raw
     os.close(b.fd)  # release the exclusive lock: readers may map it now
-    info: SegmentInfo = [b.name, b.size, len(data), [[start - b.base, end - start]], token]
+    info: SegmentInfo = [b.name, b.size, len(data), layout, token]
     return Segment(b.name, b.size, info)
 
 

@@ -440,16 +440,25 @@ class SegmentRegistry:
         with self._lock:
             return list(self._born.values())
 
+    def born_holding(self, start: int, end: int) -> BornArray | None:
+        """The unpublished born array whose data holds the bytes ``start`` to ``end``."""
+        with self._lock:
+            return self._holding(start, end)
+
+    def _holding(self, start: int, end: int) -> BornArray | None:
+        for b in self._born.values():
+            if b.base + DATA_OFFSET <= start and end <= b.base + b.size and not b.published:
+                return b
+        return None
+
     def claim_born(self, start: int, end: int) -> tuple[BornArray, mmap.mmap] | None:
         """Publish the created segment of the born array whose data holds the bytes
         ``start`` to ``end``: the array and the owner's mapping of its segment, for the
         caller to write the value's header and pickle stream into; ``None`` when no
         unpublished born array holds them."""
         with self._lock:
-            for b in self._born.values():
-                if b.base + DATA_OFFSET <= start and end <= b.base + b.size and not b.published:
-                    break
-            else:
+            b = self._holding(start, end)
+            if b is None:
                 return None
             writer = self._writers.get(b.name)
             if writer is None or self._states.get(b.name) is not CREATED:

@@ -223,9 +223,12 @@ class ComputeTaskMsg(Msg, tag="compute-task"):
     #: a barrier of shoal's shuffle: its inputs are not fetched; it runs on where they
     #: are (``who_has``, ``nbytes``, ``shm``), as :class:`shoal.worker.shuffle.Location`
     locate: bool = False
+    #: its value has one dependent, which needs nothing else (it runs where this one
+    #: did): the worker need not place the value in shared memory for its host
+    local: bool = False
     key_fields: ClassVar[tuple[str, ...]] = ("key",)
     key_list_fields: ClassVar[tuple[str, ...]] = ("who_has", "nbytes")
-    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id", "resources", "locate")
+    optional: ClassVar[tuple[str, ...]] = ("shm", "report", "stimulus_id", "resources", "locate", "local")
     segment_fields: ClassVar[tuple[tuple[str, bool], ...]] = (("shm", True),)
 
 

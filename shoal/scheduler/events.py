@@ -297,6 +297,8 @@ class ComputeTask(Instruction):
     resources: dict[str, float] | None = None
     #: run it on where its inputs are (who_has, nbytes, shm), not on their values
     locate: bool = False
+    #: its one dependent needs nothing else: no need to place its value for the host
+    local: bool = False
 
 
 @dataclass

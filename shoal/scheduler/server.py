@@ -605,7 +605,7 @@ class Scheduler:
                 self._send_worker(inst.worker, ComputeTaskMsg(
                     inst.key, payload, inst.who_has, inst.nbytes, list(inst.priority),
                     shm=inst.shm or None, report=inst.report, stimulus_id=inst.stimulus_id,
-                    resources=inst.resources, locate=inst.locate,
+                    resources=inst.resources, locate=inst.locate, local=inst.local,
                 ))
         elif isinstance(inst, CloseWorkerStream):
             if inst.why:

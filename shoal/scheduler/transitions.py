@@ -193,7 +193,17 @@ class TaskTransitions:
             if d.shm is not None and (info := self._shm_info(d, ws.host)) is not None:
                 shm[key] = info
         self._emit(ComputeTask(self._stimulus, ws.address, ts.key, ts.payload, who_has, nbytes, ts.priority, shm,
-                               bool(ts.who_wants), ts.resources, ts in self.locating))
+                               bool(ts.who_wants), ts.resources, ts in self.locating, self._local(ts)))
+
+    def _local(self, ts: TaskState) -> bool:
+        """Whether ``ts``'s value will most likely be read only where it is made: no
+        client waits for it, and it has one dependent, whose only input it is (that
+        task then goes where its input is). Its worker need not place it in shared
+        memory: a copy for other processes that will not read it."""
+        if ts.who_wants or len(ts.dependents) != 1:
+            return False
+        (dependent,) = ts.dependents
+        return len(dependent.dependencies) == 1 and dependent not in self.locating
 
     def _holders_for(self, ts: TaskState, ws: WorkerState) -> list[str]:
         """The workers ``ws`` may fetch ``ts``'s value from, in the order to ask them:

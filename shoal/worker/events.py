@@ -57,11 +57,13 @@ class ComputeTaskEvent(Event):
     resources: dict[str, float] | None = None
     #: run on where its inputs are, not on their values (a shuffle's barrier)
     locate: bool = False
+    #: its value will most likely be read here only: not worth placing in shared memory
+    local: bool = False
 
     def logged(self) -> ComputeTaskEvent:
         """This event for the log: without the task's payload."""
         return ComputeTaskEvent(self.stimulus_id, self.key, _dropped(self.payload), self.who_has, self.nbytes,
-                                self.priority, self.shm, self.report, self.resources, self.locate)
+                                self.priority, self.shm, self.report, self.resources, self.locate, self.local)
 
 
 @dataclass

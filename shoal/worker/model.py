@@ -25,6 +25,9 @@ class WTask:
     payload: Any = None
     #: a client waits for the value (the scheduler said so): small ones travel inline
     report: bool = False
+    #: its value will most likely be read here only (the scheduler said so): it is not
+    #: placed in shared memory for the host
+    local: bool = False
     priority: tuple[int, ...] = (0,)
     #: "compute" (the scheduler's), "fetched" (a local copy), "scattered", "replica" (a
     #: copy from another host the scheduler was told of): all but "fetched" are held

@@ -369,7 +369,7 @@ class Worker(PeerData):
                             events.append(ComputeTaskEvent(
                                 msg.stimulus_id or self._stimulus("compute"), msg.key, msg.payload, msg.who_has,
                                 msg.nbytes, tuple(msg.priority) or (0,), msg.shm or {}, msg.report,
-                                msg.resources or None, msg.locate,
+                                msg.resources or None, msg.locate, msg.local,
                             ))
                         case FreeKeysMsg():
                             events.append(FreeKeysEvent(msg.stimulus_id or self._stimulus("free"), msg.keys))
@@ -522,7 +522,7 @@ class Worker(PeerData):
         payload = ts.payload
         loop = self.loop
         destination = self._scheduler_destination
-        place = self.use_shm
+        place = self.use_shm and not ts.local
         fits = self.store.fits if self.monitor is None else self.monitor.fits
         report = ts.report
         transfers = self.traffic.arrivals.take(deps) or None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import pickle
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +91,14 @@ class _Form:
         self.key = (series, named, dtypes, index)
 
     def __getstate__(self) -> Any:
-        return (self.series, self.labels, self.dtypes, self.index)
+        # (the labels in the pickle stream itself: an index of strings would otherwise
+        # bring buffers of its own, and a split or bundle is best one buffer)
+        labels = self.labels if self.series else pickle.dumps(self.labels, protocol=4)
+        return (self.series, labels, self.dtypes, self.index)
 
     def __setstate__(self, state: Any) -> None:
-        self.__init__(*state)  # type: ignore[misc]
+        series, labels, dtypes, index = state
+        self.__init__(series, labels if series else pickle.loads(labels), dtypes, index)  # type: ignore[misc]
 
     def same(self, other: _Form) -> bool:
         return other is self or other.key == self.key
@@ -148,22 +153,44 @@ def _arrays(frame: Any) -> tuple[_Form, list[Any]]:
     return form, columns + [_array(level) for level in levels]
 
 
-def _concat_arrays(arrays: list[Any]) -> Any:
-    """One array of ``arrays`` (all of one type), always a new one."""
+def _concat_arrays(arrays: list[Any], out: Any = None) -> Any:
+    """One array of ``arrays`` (all of one type), always a new one (``out``, when
+    given: a numpy array of their type and total length)."""
     import numpy as np
 
     first = arrays[0]
     if isinstance(first, np.ndarray):
-        return np.concatenate(arrays)
+        return np.concatenate(arrays, out=out)
     if len(arrays) == 1:
         return first.copy()
     return type(first)._concat_same_type(arrays)
 
 
-def _take(array: Any, order: Any) -> Any:
+def _take(array: Any, order: Any, out: Any = None) -> Any:
     import numpy as np
 
-    return array[order] if isinstance(array, np.ndarray) else array.take(order)
+    return np.take(array, order, out=out) if isinstance(array, np.ndarray) else array.take(order)
+
+
+def _result_arrays(types: list[Any], lengths: list[int]) -> list[Any]:
+    """Empty numpy arrays of ``types`` and ``lengths`` (``None`` for a type numpy does
+    not hold by value: objects, pandas' extension types), all in one buffer: a
+    task's result that shoal places in shared memory is then published where it was
+    written, one segment and no copy (:func:`shoal.comm.shm_born.for_result`)."""
+    import numpy as np
+
+    from ..comm.shm_born import for_result
+    from ..comm.shm_files import align
+
+    plain = [isinstance(t, np.dtype) and not t.hasobject for t in types]
+    sizes = [align(t.itemsize * n) if p else 0 for t, n, p in zip(types, lengths, plain)]
+    with for_result():
+        whole = np.empty(max(sum(sizes), 1), dtype=np.uint8)
+    out, pos = [], 0
+    for t, n, p, size in zip(types, lengths, plain, sizes):
+        out.append(whole[pos : pos + t.itemsize * n].view(t) if p else None)
+        pos += size
+    return out
 
 
 #: chunks of a bundle smaller than this on average are joined by their holder (one
@@ -217,7 +244,7 @@ def bundle(splits: list[tuple[int, Split]], index: int) -> list[Bundle]:
     groups: list[tuple[_Form, list[int], list[int], list[list[Any]]]] = []
     for pos, value in splits:
         start, stop = value.bounds(index)
-        form, arrays = value.parts()
+        form, arrays = value.form, value.arrays
         group = next((g for g in reversed(groups) if g[0].same(form)), None)
         if group is None:
             group = (form, list[int](), list[int](), [[] for _ in arrays])
@@ -247,15 +274,21 @@ def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
     if all(form.same(b.form) for b in full[1:]) and form.dtypes:
         # (with ignore_index the index's levels are left out: a new one is made)
         width = len(form.dtypes) if ignore_index else len(full[0].chunks)
+        # the result in one buffer (see _result_arrays)
+        total = sum(b.rows for b in full)
+        out = _result_arrays([c[0].dtype for c in full[0].chunks[:width]], [total] * width)
         if all(len(b.chunks[0]) == len(b.positions) for b in full):  # a chunk per split: put them in order
             order = sorted((p, i, j) for i, b in enumerate(full) for j, p in enumerate(b.positions.tolist()))
-            arrays = [_concat_arrays([full[i].chunks[a][j] for _, i, j in order]) for a in range(width)]
+            arrays = [_concat_arrays([full[i].chunks[a][j] for _, i, j in order], out[a]) for a in range(width)]
         else:  # (small rows joined by their holders: interleaved row by row, if need be)
-            arrays = [_concat_arrays([c for b in full for c in b.chunks[a]]) for a in range(width)]
             keys = np.concatenate([np.repeat(b.positions, b.lengths) for b in full])
+            rows = None
             if len(keys) > 1 and (keys[1:] < keys[:-1]).any():
                 rows = np.argsort(keys, kind="stable")
-                arrays = [_take(a, rows) for a in arrays]
+            arrays = [_concat_arrays([c for b in full for c in b.chunks[a]], None if rows is not None else out[a])
+                      for a in range(width)]
+            if rows is not None:
+                arrays = [_take(a, rows, target) for a, target in zip(arrays, out)]
         return form.build(arrays, ignore_index)
     runs = sorted((run for b in full for run in b.runs() if len(run[1])), key=lambda run: run[0])
     out = _concat([rows for _, rows in runs])
@@ -264,24 +297,24 @@ def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
 
 class Split:
     """The value of a split task: an input partition's rows sorted (stably) by output
-    partition (``frame``), the outputs it has rows for (``outputs``, ascending), where
+    partition, as its form and arrays (the frame's columns, then its index's levels:
+    see :func:`_arrays`), the outputs it has rows for (``outputs``, ascending), where
     each of their rows start (``starts``, one more than ``outputs``) and how many
     outputs the shuffle has (``n``). Sparse: a split of a few rows into 10,000 outputs
     holds a few numbers, not 10,000."""
 
-    __slots__ = ("frame", "outputs", "starts", "n", "_parts", "__weakref__")
+    __slots__ = ("form", "arrays", "outputs", "starts", "n", "__weakref__")
 
-    def __init__(self, frame: Any, outputs: Any, starts: Any, n: int) -> None:
-        self.frame, self.outputs, self.starts, self.n = frame, outputs, starts, n
-        self._parts: tuple[_Form, list[Any]] | None = None
+    def __init__(self, form: _Form, arrays: list[Any], outputs: Any, starts: Any, n: int) -> None:
+        self.form, self.arrays, self.outputs, self.starts, self.n = form, arrays, outputs, starts, n
 
     def __reduce__(self) -> Any:
-        return (Split, (self.frame, self.outputs, self.starts, self.n))
+        return (Split, (self.form, self.arrays, self.outputs, self.starts, self.n))
 
     def __sizeof__(self) -> int:
         from ..protocol.sizes import managed_sizeof
 
-        return managed_sizeof(self.frame) + int(self.outputs.nbytes + self.starts.nbytes) + 64
+        return managed_sizeof(self.arrays) + int(self.outputs.nbytes + self.starts.nbytes) + 64
 
     def bounds(self, index: int) -> tuple[int, int]:
         """Where output ``index``'s rows start and stop."""
@@ -296,16 +329,9 @@ class Split:
         return start, start
 
     def rows(self, index: int) -> Any:
-        """Output ``index``'s rows as a slice of the frame."""
+        """Output ``index``'s rows as a frame (or series)."""
         start, stop = self.bounds(index)
-        return self.frame.iloc[start:stop]
-
-    def parts(self) -> tuple[_Form, list[Any]]:
-        """The frame's form and arrays (made once)."""
-        parts = self._parts
-        if parts is None:
-            parts = self._parts = _arrays(self.frame)
-        return parts
+        return self.form.build([a[start:stop] for a in self.arrays])
 
 
 def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
@@ -336,14 +362,20 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
     order = np.argsort(parts, kind="stable")
     ordered = parts[order]
-    if len(ordered):  # (where the output number changes)
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(ordered)) + 1, [len(ordered)]]).astype(np.int64)
-        outputs = ordered[starts[:-1]]
+    # where the output number changes: each output's first row, and the end
+    changes = np.flatnonzero(np.diff(ordered)) + 1 if len(ordered) else np.zeros(0, dtype=np.int64)
+    nout = len(changes) + 1 if len(ordered) else 0
+    form, arrays = _arrays(df)
+    # the whole value in one buffer (see _result_arrays), its rows in the new order
+    outputs, starts, *out = _result_arrays([np.dtype(np.int64)] * 2 + [a.dtype for a in arrays],
+                                           [nout, nout + 1] + [len(parts)] * len(arrays))
+    if nout:
+        outputs[0], outputs[1:] = ordered[0], ordered[changes]
+        starts[0], starts[1:-1], starts[-1] = 0, changes, len(ordered)
     else:
-        starts, outputs = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    if len(parts) and not (order[1:] > order[:-1]).all():
-        df = df.take(order)
-    return Split(df, outputs, starts, npartitions)
+        starts[0] = 0
+    taken = [_take(a, order, target) for a, target in zip(arrays, out)]
+    return Split(form, taken, outputs, starts, npartitions)
 
 
 def locate(*inputs: Any) -> Placement:

@@ -299,6 +299,7 @@ class WorkerState(Fetching):
         ts.origin = "compute"
         ts.payload = ev.payload
         ts.report = ev.report
+        ts.local = ev.local
         ts.priority = tuple(ev.priority)
         # an amount of 0 is no need (nor a resource this worker must offer)
         ts.resources = {r: a for r, a in (ev.resources or {}).items() if a > 0} or None

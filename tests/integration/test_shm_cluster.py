@@ -102,6 +102,32 @@ def test_arrays_born_in_shared_memory_are_published_without_a_copy(client, clust
     assert float(x.result(timeout=30)[0]) == 2.0
 
 
+def test_a_link_of_a_chain_is_not_placed_and_is_still_served_where_it_is_read_after_all(client, cluster):
+    import dask
+
+    a_addr, b_addr = cluster.worker_addresses
+
+    def counts():
+        got = client.run(_placements)
+        return {w: got[w]["born"] + got[w]["copied"] for w in got}
+
+    before = counts()
+    # a chain on one worker: only the end, which the client waits for, is placed
+    with dask.annotate(workers=[a_addr]):
+        first = dask.delayed(make)(4 * MB, 3.0, dask_key_name="link-1")
+        second = dask.delayed(np.add)(first, 1.0, dask_key_name="link-2")
+    assert float(client.compute(second).result(timeout=30)[0]) == 4.0
+    after = counts()
+    assert after[a_addr] - before[a_addr] == 1 and after[b_addr] == before[b_addr]
+    # the one dependent made to run elsewhere: the value comes from its owner, right
+    with dask.annotate(workers=[a_addr]):
+        first = dask.delayed(make)(4 * MB, 5.0, dask_key_name="link-3")
+    with dask.annotate(workers=[b_addr]):
+        read = dask.delayed(total)(first, dask_key_name="link-4")
+    assert client.compute(read).result(timeout=30) == 5.0 * (4 * MB // 8)
+    assert counts()[a_addr] == after[a_addr]
+
+
 def test_segment_removed_when_the_key_is_released(client, cluster):
     a_addr, _ = cluster.worker_addresses
     pid = _pids(client)[a_addr]

@@ -87,6 +87,61 @@ def test_a_large_array_is_born_in_a_pooled_segment_and_published_without_a_copy(
     assert [s for s, _ in shm.registry.pooled()] == [size]
 
 
+def test_a_result_of_views_of_one_buffer_is_born_in_a_new_segment_and_published_without_a_copy():
+    before = dict(shm.placements)
+
+    def task() -> Any:
+        with shm_born.for_result():  # (the pool is empty: a new segment)
+            whole = np.empty(3 * MB, dtype=np.uint8)
+        ints, floats = whole[:MB].view(np.int64), whole[2 * MB :].view(np.float64)
+        ints[:] = np.arange(MB // 8)
+        floats[:] = 0.5
+        small = np.arange(10)  # (elsewhere, small: copied in front with the pickle stream)
+        return shm.place((ints, floats, small))
+
+    seg, local = in_task_thread(task)
+    try:
+        assert shm.placements["born"] == before["born"] + 1 and shm.placements["copied"] == before["copied"]
+        layout = seg.info[3]
+        assert layout[0] == [shm_files.DATA_OFFSET, MB] and layout[1] == [shm_files.DATA_OFFSET + 2 * MB, MB]
+        assert layout[2][0] + layout[2][1] <= shm_files.DATA_OFFSET
+        ints, floats, small = local
+        assert np.array_equal(ints, np.arange(MB // 8)) and (floats == 0.5).all()
+        assert np.array_equal(small, np.arange(10))
+        again = shm.attach(seg.info)  # as a peer maps it
+        assert np.array_equal(again[0], ints) and np.array_equal(again[2], small)
+        del again
+    finally:
+        del local
+        gc.collect()
+        seg.unlink()
+
+
+def test_buffers_elsewhere_too_large_to_go_in_front_mean_a_copy():
+    before = dict(shm.placements)
+
+    def task() -> Any:
+        with shm_born.for_result():
+            whole = np.zeros(2 * MB, dtype=np.uint8)
+        return shm.place((whole, np.ones(1024)))  # 8 KiB elsewhere: no room in front
+
+    seg, local = in_task_thread(task)
+    try:
+        assert shm.placements["copied"] == before["copied"] + 1 and shm.placements["born"] == before["born"]
+        assert not local[0].any() and (local[1] == 1).all()
+    finally:
+        del local
+        gc.collect()
+        seg.unlink()
+
+
+def test_for_result_in_a_thread_without_the_allocator_allocates_as_usual():
+    with shm_born.for_result():
+        a = np.zeros(4 * MB, dtype=np.uint8)
+    assert not shm.registry.born_arrays() and _shmalloc.live() == 0
+    del a
+
+
 def test_small_arrays_and_an_empty_pool_allocate_as_usual():
     def task() -> Any:
         small = np.ones(1000)
