@@ -65,6 +65,7 @@ class Placement(TaskTransitions):
     resource_rooms: dict[str, RoomIndex]
     offering: dict[str, set[WorkerState]]
     _opened: dict[WorkerState, None]
+    locating: set[TaskState]
     ahead: int
     max_ahead: int
     refill_seconds: float
@@ -245,12 +246,19 @@ class Placement(TaskTransitions):
 
     def _best_holder(self, ts: TaskState) -> WorkerState | None:
         """Of the workers with room that hold inputs of ``ts``, the one holding the
-        most input bytes, then the least busy; None if none has room."""
+        most input bytes, then the least busy; None if none has room. A shuffle's
+        barrier counts for nothing: its value says where the splits are, all over the
+        cluster (the outputs assembled from it go where there is room)."""
         local: dict[WorkerState, int] = {}
+        locating = self.locating
         for d in ts.dependencies:
+            if d in locating:
+                continue
             n = max(d.nbytes, 1)
             for ws in d.who_has:
                 local[ws] = local.get(ws, 0) + n
+        if not local:
+            return None
         if len(local) == 1:  # (inputs made together are held together)
             (ws,) = local
             if self._may_take(ts, ws):

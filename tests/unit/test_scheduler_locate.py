@@ -133,3 +133,27 @@ def test_both_splits_lost_at_once_relocate_once():
     out = s.finish(s.on("L"), "L")
     assert sorted(k for _, k in computes(out) if k.startswith("a")) == ["a0", "a1"] or \
         {s.states()["a0"], s.states()["a1"]} <= {"processing", "memory"}
+
+
+def test_the_outputs_go_where_there_is_room_not_to_the_barriers_holder():
+    s = Sched()
+    workers = shuffle(s, n=2)
+    out = s.finish(s.on("L"), "L")
+    # (the barrier's value is where the splits are, all over the cluster)
+    assert sorted(s.on(k) for k in ("a0", "a1")) == workers
+    assert len(computes(out)) == 2
+
+
+def test_more_outputs_than_room_wait_in_the_queue_for_whichever_worker_is_free():
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    n = 12
+    tasks = [t(f"s{i}", on=f"w{i % 2}") for i in range(2)] + [t("L", "s0", "s1", locate=True)]
+    tasks += [t(f"a{j}", "L") for j in range(n)]
+    s.submit(*tasks, wanted=[f"a{j}" for j in range(n)])
+    for i in range(2):
+        s.finish(s.on(f"s{i}"), f"s{i}", nbytes=1000)
+    s.finish(s.on("L"), "L")
+    sent = [s.on(f"a{j}") for j in range(n) if s.states()[f"a{j}"] == "processing"]
+    assert sent.count("w0") == sent.count("w1"), sent
