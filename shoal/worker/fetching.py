@@ -15,7 +15,6 @@ from typing import Any
 
 from .events import AttachShm, GatherDep, GatherDepFailureEvent, GatherDepSuccessEvent, Instruction
 from .model import SHM, WState, WTask
-from .shuffle import Placement
 
 __all__ = ["Fetching"]
 
@@ -79,10 +78,10 @@ class Fetching:
                 value = ev.data[ts.key]
                 self._put(ts, value, ev.nbytes.get(ts.key))
                 info = ev.shm.get(ts.key)
-                if info is not None or isinstance(value, Placement):
+                if info is not None or getattr(type(value), "__shoal_replica__", False):
                     # kept until the scheduler frees it: it crossed hosts (kept for this
-                    # host's workers), or it is a shuffle's barrier (this worker's next
-                    # assemblies read it again, and what the first learned of the splits)
+                    # host's workers), or its class asks (a shuffle's barrier: this
+                    # worker's next assemblies read it, and what the first learned)
                     ts.origin = "replica"
                     self._send({"op": "add-replica", "key": ts.key, "nbytes": ts.nbytes, "shm": info})
             elif failures < self.max_peer_failures:

@@ -66,7 +66,11 @@ class Placement(list):  # type: ignore[type-arg]
     """The barrier's value: where each split is (:class:`Location`, in input order),
     or, under a scheduler that does not know ``locate``, the splits themselves. Each
     worker that assembles from it keeps its :class:`Sources` here, for as long as it
-    holds the value (never sent along: a copy elsewhere learns its own)."""
+    holds the value (never sent along: a copy elsewhere learns its own). A worker
+    that fetched it keeps it until the scheduler frees it (``__shoal_replica__``)."""
+
+    #: a fetched copy is kept as a replica (:mod:`shoal.worker.fetching`)
+    __shoal_replica__ = True
 
     def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
