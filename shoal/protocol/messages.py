@@ -13,7 +13,8 @@ Fields typed ``Any`` hold values the receiver forwards or decodes later (payload
 exceptions, segment infos: their own checks apply where they are used); ``key`` fields
 hold task keys, checked by :func:`key_problem`. The base (keys, segment infos,
 :class:`Msg`) is in :mod:`.msgbase`, the coordination ops in :mod:`.coordination_msgs`,
-the check of resources in :mod:`.resources`; this module re-exports them.
+the client's cluster operations in :mod:`.cluster_ops_msgs`, the check of resources in
+:mod:`.resources`; this module re-exports them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from ..errors import ProtocolError
+from .cluster_ops_msgs import CLUSTER_OPS_REQUESTS, UploadFileMsg
 from .coordination_msgs import COORDINATION_REQUESTS, COORDINATION_STREAM
 from .msgbase import MAX_KEY_DEPTH, Key, Msg, SegmentInfo, SegmentRef, key_problem, segment_info
 from .resources import language_problem, resources_problem
@@ -464,100 +466,6 @@ class ProgressMsg(Msg, tag="progress"):
     optional: ClassVar[tuple[str, ...]] = ("keys", "stop")
 
 
-# cluster operations of the client (``shoal.scheduler.ops``, §9.3)
-
-
-class WaitForWorkersMsg(Msg, tag="wait-for-workers"):
-    """To the scheduler: answer once ``n_workers`` workers are registered (an error
-    ``TimeoutError`` after ``timeout`` seconds; nil: no limit)."""
-
-    n_workers: int
-    timeout: float | None = None
-    reply: bool = True
-
-
-class HasWhatMsg(Msg, tag="has-what"):
-    """To the scheduler: the keys each worker holds (``workers``: only these; nil: all)."""
-
-    workers: list[str] | None = None
-    reply: bool = True
-
-
-class ProcessingMsg(Msg, tag="processing"):
-    """To the scheduler: the keys given to each worker to compute."""
-
-    workers: list[str] | None = None
-    reply: bool = True
-
-
-class VersionsMsg(Msg, tag="versions"):
-    """To the scheduler: the versions it runs (its own; it imports nothing it is sent)."""
-
-    packages: list[str] = []
-    reply: bool = True
-
-
-class RebalancePlanMsg(Msg, tag="rebalance-plan"):
-    """To the scheduler: moves that even out the bytes the workers hold (``keys``:
-    only these may move; ``workers``: only between these)."""
-
-    keys: list[Any] | None = None
-    workers: list[str] | None = None
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("keys",)
-
-
-class AdaptivePlanMsg(Msg, tag="adaptive-plan"):
-    """To the scheduler: what adaptive scaling needs of its state for the workers
-    ``workers`` names (name -> address, ``""`` while starting): how many workers of
-    ``threads_per_worker`` threads the load asks for, and which of them may go."""
-
-    workers: dict[str, str] = {}
-    threads_per_worker: int = 1
-    target_duration: float = 5.0
-    reply: bool = True
-
-
-class RemoveReplicasMsg(Msg, tag="remove-replicas"):
-    """To the scheduler: drop these copies (``{key: [worker, ...]}``), each only while
-    another worker holds the key; the scheduler tells the workers to free them."""
-
-    who_has: dict[Any, list[str]] = {}
-    reply: bool = True
-    key_list_fields: ClassVar[tuple[str, ...]] = ("who_has",)
-
-
-class RestartMsg(Msg, tag="restart"):
-    """To the scheduler: cancel every task of every client (``Client.restart``; the
-    caller, ``client``, cancels its own futures and is sent no ``cancelled-key``)."""
-
-    client: str = ""
-    reply: bool = True
-
-
-class UploadFileMsg(Msg, tag="upload-file"):
-    """To the scheduler (which keeps it for workers that join later and passes it on to
-    every worker) and to a worker: a file to write into the worker's directory of
-    uploads, put on ``sys.path`` and, with ``load``, import. ``data`` is the file's bytes."""
-
-    filename: str
-    data: bytes
-    load: bool = True
-    reply: bool = True
-
-
-class RestartWorkersMsg(Msg, tag="restart-workers"):
-    """To the scheduler: have the nanny of every worker restart it (``Client.restart``
-    of a cluster without a cluster object); ``timeout`` bounds the whole (nil: none)."""
-
-    timeout: float | None = None
-    reply: bool = True
-
-
-CLUSTER_OPS_REQUESTS = (WaitForWorkersMsg, HasWhatMsg, ProcessingMsg, VersionsMsg, RebalancePlanMsg,
-                        RemoveReplicasMsg, RestartMsg, RestartWorkersMsg, UploadFileMsg, AdaptivePlanMsg)
-
-
 class NannyRestartMsg(Msg, tag="nanny-restart"):
     """To a nanny: stop its worker (killed after ``timeout`` seconds) and start a new one."""
 
@@ -593,7 +501,8 @@ class HasKeysMsg(Msg, tag="has-keys"):
 class GetSlicesMsg(Msg, tag="get-slices"):
     """To a worker, from a worker assembling an output partition of shoal's shuffle:
     the rows of output partition ``index`` of those of ``keys`` (values of the
-    shuffle's split tasks) it holds (answered ``{"data": {key: rows}}``)."""
+    shuffle's split tasks) it holds (answered ``{"held": [int], "rows": [Bundle]}``:
+    the places in ``keys`` of those it holds, and their rows by column layout)."""
 
     keys: list[Any]
     index: int
@@ -604,7 +513,8 @@ class GetSlicesMsg(Msg, tag="get-slices"):
 class SplitOutputsMsg(Msg, tag="split-outputs"):
     """To a worker, from a worker about to assemble output partitions of shoal's
     shuffle: for each of ``keys`` (values of the shuffle's split tasks) it holds, the
-    output partitions that split has rows for (answered ``{"outputs": {key: [int]}}``)."""
+    output partitions that split has rows for (answered ``{"held": [int], "outputs":
+    [[int]]}``: the places in ``keys`` of those it holds, and their outputs)."""
 
     keys: list[Any]
     reply: bool = True
