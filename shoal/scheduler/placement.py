@@ -176,11 +176,7 @@ class Placement(TaskTransitions):
         """The holder of most of the input bytes of ``ts``, if they are at least
         ``WAIT_MIN_BYTES`` and it may take the task past its room (up to
         ``_QUEUE_OVERFILL`` times it)."""
-        local: dict[WorkerState, int] = {}
-        for d in ts.dependencies:
-            n = max(d.nbytes, 1)
-            for ws in d.who_has:
-                local[ws] = local.get(ws, 0) + n
+        local = self._input_bytes(ts)
         if not local:
             return None
         ws, n = max(local.items(), key=lambda item: (item[1], item[0].address))
@@ -244,9 +240,8 @@ class Placement(TaskTransitions):
                 return ws
         return None
 
-    def _best_holder(self, ts: TaskState) -> WorkerState | None:
-        """Of the workers with room that hold inputs of ``ts``, the one holding the
-        most input bytes, then the least busy; None if none has room. A shuffle's
+    def _input_bytes(self, ts: TaskState) -> dict[WorkerState, int]:
+        """The bytes of the inputs of ``ts`` each of their holders holds. A shuffle's
         barrier counts for nothing: its value says where the splits are, all over the
         cluster (the outputs assembled from it go where there is room)."""
         local: dict[WorkerState, int] = {}
@@ -257,6 +252,12 @@ class Placement(TaskTransitions):
             n = max(d.nbytes, 1)
             for ws in d.who_has:
                 local[ws] = local.get(ws, 0) + n
+        return local
+
+    def _best_holder(self, ts: TaskState) -> WorkerState | None:
+        """Of the workers with room that hold inputs of ``ts``, the one holding the
+        most input bytes, then the least busy; None if none has room."""
+        local = self._input_bytes(ts)
         if not local:
             return None
         if len(local) == 1:  # (inputs made together are held together)

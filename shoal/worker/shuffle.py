@@ -3,9 +3,9 @@
 input partition, one barrier, one per output partition) is made by
 :mod:`shoal.client.shuffle`; the theory is in docs/shuffle.md.
 
-- **split** (one task per input partition): a :class:`Split`, the partition's rows
-  sorted (stably) by their output partition and the offset where each output's rows
-  start. That is the task's value, kept where it was made like any other: in this
+- **split** (one task per input partition): a :class:`Split`, the partition's arrays
+  with their rows sorted (stably) by output partition, the outputs it has rows for
+  and where each one's rows start. That is the task's value, kept where it was made like any other: in this
   worker's store (spilled under memory pressure, placed in shared memory when large,
   freed by the scheduler). Nothing is sent anywhere yet.
 - **locate** (the barrier): a task the scheduler marks ``locate``. Its worker fetches
