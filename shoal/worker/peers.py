@@ -244,7 +244,7 @@ class PeerData:
                     logger.error("%s; it is computed again", exc)
                     lost.append(k)
         if lost:
-            self.handle_stimulus(DataLostEvent(self._stimulus("data-lost"), lost))
+            self.values_lost(lost)
         # the sizes the store measured them at: a value served again is not measured
         # again (here, nor by the transport deciding where to serialize it)
         sizes = {k: store.nbytes(k) for k in found}
@@ -253,13 +253,18 @@ class PeerData:
         self.traffic.served(comm.destination, sizes, in_segments)
         return {"data": {k: to_serialize(v, sizes[k]) for k, v in found.items()}}
 
-    def get_slices(self, comm: Comm, keys: list[Any], index: int) -> dict[str, Any]:
+    def values_lost(self, keys: list[Any]) -> None:
+        """Tell the scheduler that this worker lost the values of ``keys`` (their spill
+        files, or segments, fail): it makes them again."""
+        self.handle_stimulus(DataLostEvent(self._stimulus("data-lost"), keys))
+
+    async def get_slices(self, comm: Comm, keys: list[Any], index: int) -> dict[str, Any]:
         """``get-slices``: the rows of output partition ``index`` of the splits of
         shoal's shuffle among ``keys`` that this worker holds (:mod:`.shuffle`)."""
-        held, rows = shuffle.serve_slices(self.store, keys, index)
+        held, rows, lost = await shuffle.serve_slices(self, keys, index)
         size = sum(map(sizeof, rows))
         self.traffic.served(comm.destination, {"rows": size}, {})
-        return {"held": held, "rows": to_serialize(rows, size)}
+        return {"held": held, "rows": to_serialize(rows, size), "lost": lost}
 
     def split_outputs(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         """``split-outputs``: for each split of shoal's shuffle among ``keys`` that

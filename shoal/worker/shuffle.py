@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
+import logging
 import pickle
 import threading
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from typing import Any
 
 from ..errors import CommError, Reschedule, ShuffleError
 
-__all__ = ["Location", "Placement", "Split", "Bundle", "Sources", "output_numbers", "split", "locate", "assemble",
+__all__ = ["Location", "Placement", "Split", "SplitHead", "Bundle", "Sources", "output_numbers", "split", "locate", "assemble",
            "bundle", "join", "serve_slices", "serve_outputs", "SPLIT_PREFIX", "LOCATE_PREFIX"]
 
 #: the key prefixes of the shuffle's tasks (the client names them; the worker's
@@ -49,6 +51,10 @@ SPLIT_PREFIX = "shoal-shuffle-split"
 LOCATE_PREFIX = "shoal-shuffle-locate"
 #: seconds an assembly waits before it gives itself back when a holder is unreachable
 UNREACHABLE_PAUSE = 0.5
+#: errors reading a spill file that may pass (the file is not at fault)
+_MAY_PASS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+logger = logging.getLogger("shoal.worker")
 
 
 @dataclass(frozen=True)
@@ -337,6 +343,81 @@ class Split:
         start, stop = self.bounds(index)
         return self.form.build([a[start:stop] for a in self.arrays])
 
+    def __shoal_spill_parts__(self) -> tuple[SplitHead, list[list[Any]]]:
+        """How a worker's store spills a split: its :class:`SplitHead` stays in
+        memory, and each output's rows (its slice of every array) are a part of
+        their own, read back alone when that output is assembled."""
+        bounds = self.starts.tolist()
+        parts = [[a[start:stop] for a in self.arrays] for start, stop in zip(bounds[:-1], bounds[1:])]
+        head = SplitHead(self.form, [a[:0].copy() for a in self.arrays], self.outputs.copy(), self.starts.copy(),
+                         self.n)
+        return head, parts
+
+
+class SplitHead:
+    """What a worker keeps in memory of a split it spilled: all but its rows (the
+    outputs it has rows for, where each one's rows start, the arrays' types as
+    empty arrays). Part ``i`` of the spill file holds the rows of ``outputs[i]``."""
+
+    __slots__ = ("form", "empty", "outputs", "starts", "n")
+
+    def __init__(self, form: _Form, empty: list[Any], outputs: Any, starts: Any, n: int) -> None:
+        self.form, self.empty, self.outputs, self.starts, self.n = form, empty, outputs, starts, n
+
+    def part_of(self, index: int) -> int | None:
+        """The part with output ``index``'s rows (``None``: the split has none)."""
+        import numpy as np
+
+        if not 0 <= index < self.n:
+            raise ShuffleError(f"output partition {index} of a shuffle into {self.n}")
+        i = int(np.searchsorted(self.outputs, index))
+        return i if i < len(self.outputs) and self.outputs[i] == index else None
+
+    def with_rows(self, index: int, arrays: list[Any] | None) -> Split:
+        """A split of output ``index``'s rows alone (``arrays``, read from its part;
+        ``None``: it has none)."""
+        import numpy as np
+
+        if arrays is None:
+            return Split(self.form, self.empty, np.zeros(0, np.int64), np.zeros(1, np.int64), self.n)
+        i = self.part_of(index)
+        want = None if i is None else int(self.starts[i + 1] - self.starts[i])
+        if len(arrays) != len(self.empty) or any(len(a) != want for a in arrays):
+            raise ShuffleError(f"the part of output {index} read back from a spilled split is not the rows written")
+        return Split(self.form, arrays, np.array([index], np.int64), np.array([0, want], np.int64), self.n)
+
+    def __shoal_join_parts__(self, parts: list[list[Any]]) -> Split:
+        """The whole split again, from all its parts (in order)."""
+        if len(parts) != len(self.outputs):
+            raise ShuffleError(f"a spilled split read back with {len(parts)} parts, not {len(self.outputs)}")
+        if not parts:
+            return Split(self.form, self.empty, self.outputs, self.starts, self.n)
+        total = int(self.starts[-1])
+        outputs, starts, *out = _result_arrays([self.outputs.dtype, self.starts.dtype] + [a.dtype for a in self.empty],
+                                               [len(self.outputs), len(self.starts)] + [total] * len(self.empty))
+        outputs[:], starts[:] = self.outputs, self.starts
+        arrays = [_concat_arrays([part[a] for part in parts], out[a]) for a in range(len(self.empty))]
+        return Split(self.form, arrays, outputs, starts, self.n)
+
+
+class _PartRead:
+    """Output ``index``'s rows of a split spilled in parts, to read (in any thread)
+    from ``path`` (the record at ``offset`` of ``length`` bytes)."""
+
+    __slots__ = ("key", "head", "index", "path", "offset", "length")
+
+    def __init__(self, key: Any, head: SplitHead, index: int, path: str, offset: int, length: int) -> None:
+        self.key, self.head, self.index = key, head, index
+        self.path, self.offset, self.length = path, offset, length
+
+    def read(self) -> Split:
+        """The rows; raises ``FileNotFoundError`` when the file went meanwhile (the
+        split was read back, or released: ask the store again), and what
+        :func:`.spill.read_part` raises."""
+        from . import spill
+
+        return self.head.with_rows(self.index, spill.read_part(self.path, self.offset, self.length))
+
 
 def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
     """The output partition of each row of ``df``, as dask numbers them: the column
@@ -455,49 +536,65 @@ class _ByOutput:
 
 class Sources:
     """Where one worker finds the pieces of each output of one placement: the splits
-    it holds (read from its store on its event loop), those of its host it mapped
+    it holds (read from its store on its event loop), those of its host it maps
     from shared memory (sliced in the task's thread, their holders not involved), and
     the positions each other holder is asked for. Learned once per worker and
-    placement (:meth:`learn`); kept on the placement while the worker holds it."""
+    placement (:meth:`learn`); kept on the placement while the worker holds it.
 
-    def __init__(self, mine: dict[int, Any], mapped: dict[int, Split],
-                 remote: dict[str, dict[int, Any]]) -> None:
-        self.mapped = mapped
+    Splits mapped from a peer's segments are kept mapped between assemblies up to
+    ``budget`` bytes (least recently used go first; ``None``: no bound, the worker
+    has no memory target) and mapped again when needed: a segment its owner spilled
+    and unlinked lives on while it is mapped here, counted by neither worker. A split
+    that cannot be mapped again (spilled, its owner gone) is asked of its holder."""
+
+    def __init__(self, mine: dict[int, Any], mapped: dict[int, Any], remote: dict[str, dict[int, Any]],
+                 budget: int | None = None, kept: dict[int, tuple[Split, int]] | None = None) -> None:
+        # (the placement is not kept here: it holds this, and a cycle would keep the
+        # mapped splits until the cyclic collector ran)
         self._mine = _ByOutput(mine)
-        self._mapped = _ByOutput({p: s.outputs for p, s in mapped.items()})
+        self._mapped = _ByOutput(mapped)
         self._remote = {holder: _ByOutput(outputs) for holder, outputs in remote.items()}
         #: what an output without rows reads: the first split (none of its rows), for
         #: the output's types
         holder = next((h for h, outputs in remote.items() if 0 in outputs), None)
         self._no_rows: tuple[list[int], list[int], dict[str, list[int]]] = (
             [0] if 0 in mine else [], [0] if 0 in mapped else [], {holder: [0]} if holder is not None else {})
+        self._budget = budget
+        #: position -> the split mapped, its size
+        self._kept: dict[int, tuple[Split, int]] = {}
+        self._kept_bytes = 0
+        self._lock = threading.Lock()
+        for pos, (value, nbytes) in (kept or {}).items():
+            self._keep(pos, value, nbytes)
 
     @classmethod
     def learn(cls, worker: Any, placement: Placement) -> Sources:
         """What ``worker`` needs to know of ``placement`` (in a task's thread)."""
-        from ..comm import shm
-
         address = worker.address
+        target = getattr(worker.store, "target", None)
+        budget = None if target is None else target // 4
         mine: list[int] = []
-        mapped: dict[int, Split] = {}
+        mapped: dict[int, Any] = {}
+        kept: dict[int, tuple[Split, int]] = {}
+        room = budget
         ask: dict[str, list[int]] = {}
         for pos, loc in enumerate(placement):
             if address in loc.holders:
                 mine.append(pos)
                 continue
             if loc.shm is not None and worker.use_shm:
-                try:
-                    value = shm.attach(loc.shm)
-                except Exception:  # noqa: BLE001 - gone, reused, out of descriptors: ask a holder
-                    value = None
-                if isinstance(value, Split):
-                    mapped[pos] = value
+                value = _attach(loc)
+                if value is not None:
+                    mapped[pos] = value.outputs.copy()  # (not a view: it would keep the mapping)
+                    if room is None or loc.nbytes <= room:
+                        kept[pos] = (value, loc.nbytes)
+                        room = None if room is None else room - loc.nbytes
                     continue
             if not loc.holders:
                 raise ShuffleError(f"no worker holds {loc.key!r} (input {pos} of the shuffle)")
             ask.setdefault(loc.holders[0], []).append(pos)
         mine_outputs, remote = _on_loop(worker, _learn(worker, placement, mine, ask))
-        return cls(mine_outputs, mapped, remote)
+        return cls(mine_outputs, mapped, remote, budget, kept)
 
     def wanted(self, index: int) -> tuple[list[int], list[int], dict[str, list[int]]]:
         """The positions with rows for output ``index``: held here, mapped, and to
@@ -508,6 +605,54 @@ class Sources:
         if not (mine or mapped or ask):
             return self._no_rows
         return mine, mapped, ask
+
+    def map(self, placement: Placement, positions: list[int], ask: dict[str, list[int]]) -> list[tuple[int, Split]]:
+        """The splits at ``positions`` of ``placement`` (of this host's peers), kept or
+        mapped again; those that cannot be mapped any more are added to ``ask``,
+        under a holder."""
+        out = []
+        for pos in positions:
+            with self._lock:
+                entry = self._kept.pop(pos, None)
+                if entry is not None:
+                    self._kept[pos] = entry  # (most recently used now)
+            if entry is not None:
+                out.append((pos, entry[0]))
+                continue
+            loc = placement[pos]
+            value = _attach(loc)
+            if value is None:
+                if not loc.holders:
+                    raise ShuffleError(f"no worker holds {loc.key!r} (input {pos} of the shuffle)")
+                ask.setdefault(loc.holders[0], []).append(pos)
+                continue
+            self._keep(pos, value, loc.nbytes)
+            out.append((pos, value))
+        return out
+
+    def _keep(self, pos: int, value: Split, nbytes: int) -> None:
+        with self._lock:
+            if self._budget is not None and nbytes > self._budget:
+                return
+            old = self._kept.pop(pos, None)
+            if old is not None:
+                self._kept_bytes -= old[1]
+            self._kept[pos] = (value, nbytes)
+            self._kept_bytes += nbytes
+            while self._budget is not None and self._kept_bytes > self._budget:
+                self._kept_bytes -= self._kept.pop(next(iter(self._kept)))[1]
+
+
+def _attach(loc: Location) -> Split | None:
+    """The split ``loc`` says is in a segment, mapped; ``None`` if it cannot be (gone:
+    spilled, reused, its owner dead; out of descriptors)."""
+    from ..comm import shm
+
+    try:
+        value = shm.attach(loc.shm)
+    except Exception:  # noqa: BLE001 - whatever it is, its holder is asked instead
+        return None
+    return value if isinstance(value, Split) else None
 
 
 def _sources(worker: Any, placement: Placement) -> Sources:
@@ -536,14 +681,15 @@ def _sources(worker: Any, placement: Placement) -> Sources:
 
 
 def _on_loop(worker: Any, coroutine: Any) -> Any:
-    """Run ``coroutine`` on the worker's event loop from a task's thread (the thread
-    leaves the pool while it waits)."""
+    """Run ``coroutine`` on the worker's event loop from a task's thread. The thread
+    keeps its place in the pool while it waits: what an assembly fetches is its work,
+    and one that left the pool would let the next assembly start and gather its
+    pieces too (measured: two one-thread workers of 300 MB each, a shuffle of 1.7 GB,
+    every assembly of a worker in flight at once when its pieces came over a socket:
+    its nanny killed it)."""
     future = asyncio.run_coroutine_threadsafe(coroutine, worker.loop)
     try:
-        from .context import waiting
-
-        with waiting():
-            return future.result()
+        return future.result()
     except concurrent.futures.CancelledError as exc:
         raise Reschedule("the worker is closing") from exc
 
@@ -554,10 +700,83 @@ def bundles(worker: Any, placement: Placement, index: int) -> list[Bundle]:
     :class:`~shoal.errors.ShuffleError` when one answers without a split."""
     sources = _sources(worker, placement)
     mine, mapped, ask = sources.wanted(index)
-    got = bundle([(pos, sources.mapped[pos]) for pos in mapped], index)
+    ask = {holder: list(positions) for holder, positions in ask.items()}
+    pieces: list[tuple[int, Any]] = list(sources.map(placement, mapped, ask))
+    remote: list[Bundle] = []
     if mine or ask:
-        got.extend(_on_loop(worker, _gather(worker, placement, index, mine, ask)))
-    return got
+        local, remote = _on_loop(worker, _gather(worker, placement, index, mine, ask))
+        pieces.extend(local)
+    return bundle(sorted(_resolve(worker, pieces, index), key=lambda p: p[0]), index) + remote
+
+
+#: times a part of a spilled split is looked up again when its file went meanwhile
+#: (read back, or spilled again elsewhere) before its holder is taken not to hold it
+_TRIES = 3
+
+
+def _read(pieces: list[tuple[int, Any]]) -> tuple[list[tuple[int, Split]], list[tuple[int, _PartRead]],
+                                                  list[tuple[_PartRead, BaseException]]]:
+    """Read the parts of spilled splits among ``pieces`` (in the calling thread):
+    the splits (those in memory as they are, parts as splits of one output's rows),
+    the parts whose files went meanwhile, and those whose files fail (with why)."""
+    done: list[tuple[int, Split]] = []
+    gone: list[tuple[int, _PartRead]] = []
+    failed: list[tuple[_PartRead, BaseException]] = []
+    for pos, piece in pieces:
+        if not isinstance(piece, _PartRead):
+            done.append((pos, piece))
+            continue
+        try:
+            done.append((pos, piece.read()))
+        except FileNotFoundError:
+            gone.append((pos, piece))
+        except MemoryError:
+            raise
+        except OSError as exc:
+            if exc.errno in _MAY_PASS:
+                raise
+            failed.append((piece, exc))
+        except Exception as exc:  # noqa: BLE001 - a corrupt file, or a part that does not unpickle
+            failed.append((piece, exc))
+    return done, gone, failed
+
+
+def _resolve(worker: Any, pieces: list[tuple[int, Any]], index: int) -> list[tuple[int, Split]]:
+    """``pieces`` as splits, the parts of this worker's spilled splits read in this
+    (the task's) thread. A part whose file fails loses its split (the scheduler
+    hears it and makes it again) and gives the task back."""
+    for _ in range(_TRIES):
+        done, gone, failed = _read(pieces)
+        if failed:
+            _on_loop(worker, _lose(worker, failed))
+            raise Reschedule(f"{len(failed)} split(s) of the shuffle were lost here (their spill files fail); "
+                             "they are made again")
+        if not gone:
+            return done
+        pieces = done + _on_loop(worker, _look_again(worker, gone, index))
+    raise ShuffleError(f"the spill files of {len(gone)} split(s) went {_TRIES} times while they were read")
+
+
+async def _lose(worker: Any, failed: list[tuple[_PartRead, BaseException]]) -> list[Any]:
+    """On the loop: the splits whose parts failed to read are lost; the scheduler
+    is told. Returns their keys."""
+    keys = []
+    for piece, exc in failed:
+        error = worker.store.lose(piece.key, piece.path, exc)
+        logger.error("%s; it is made again", error)
+        keys.append(piece.key)
+    worker.values_lost(keys)
+    return keys
+
+
+async def _look_again(worker: Any, gone: list[tuple[int, _PartRead]], index: int) -> list[tuple[int, Any]]:
+    """On the loop: the splits of ``gone`` as the store has them now."""
+    out = []
+    for pos, piece in gone:
+        if piece.key not in worker.store:
+            raise ShuffleError(f"this worker was to hold {piece.key!r} (input {pos} of the shuffle) and does not")
+        out.append((pos, _piece(worker.store, piece.key, index)))
+    return out
 
 
 async def _ask_all(worker: Any, placement: Placement, ask: dict[str, list[int]], op: str,
@@ -577,6 +796,11 @@ async def _ask_all(worker: Any, placement: Placement, ask: dict[str, list[int]],
                 await asyncio.sleep(UNREACHABLE_PAUSE)
                 raise Reschedule(f"cannot reach {holder} for its part of the shuffle: {result}") from result
             raise result
+        if result.get("lost"):
+            # the holder's spill files failed: it told the scheduler, which makes
+            # those splits again and then the barrier; this task runs after it
+            await asyncio.sleep(UNREACHABLE_PAUSE)
+            raise Reschedule(f"{holder} lost {len(result['lost'])} split(s) of the shuffle (their spill files fail)")
         held = set(result["held"])
         for i, pos in enumerate(positions):
             if i not in held:
@@ -586,22 +810,44 @@ async def _ask_all(worker: Any, placement: Placement, ask: dict[str, list[int]],
     return out
 
 
-def _held(worker: Any, placement: Placement, positions: list[int]) -> dict[int, Split]:
+def _held(worker: Any, placement: Placement, positions: list[int]) -> list[tuple[int, Any]]:
+    """The keys at ``positions`` of ``placement``, which this worker holds."""
     store = worker.store
-    out = {}
+    out = []
     for pos in positions:
         key = placement[pos].key
         if key not in store:
             raise ShuffleError(f"this worker was to hold {key!r} (input {pos} of the shuffle) and does not")
-        out[pos] = store.peek(key)
+        out.append((pos, key))
     return out
+
+
+def _head(store: Any, key: Any) -> Split | SplitHead:
+    """``key``'s split as the store has it: in memory, or the head of one spilled."""
+    value = store.peek_head(key)
+    if not isinstance(value, (Split, SplitHead)):
+        raise ShuffleError(f"{key!r:.100} holds no split of shoal's shuffle")
+    return value
+
+
+def _piece(store: Any, key: Any, index: int) -> Split | _PartRead:
+    """``key``'s split when it is in memory; when it is spilled, output ``index``'s
+    rows of it to read (a split of no rows when it has none: nothing to read)."""
+    value = _head(store, key)
+    if isinstance(value, Split):
+        return value
+    part = value.part_of(index)
+    if part is None:
+        return value.with_rows(index, None)
+    return _PartRead(key, value, index, *store.part_record(key, part))
 
 
 async def _learn(worker: Any, placement: Placement, mine: list[int],
                  ask: dict[str, list[int]]) -> tuple[dict[int, Any], dict[str, dict[int, Any]]]:
     import numpy as np
 
-    outputs = {pos: value.outputs for pos, value in _held(worker, placement, mine).items()}
+    store = worker.store
+    outputs = {pos: _head(store, key).outputs for pos, key in _held(worker, placement, mine)}
     remote: dict[str, dict[int, Any]] = {}
     for (holder, positions), (_, answer) in zip(ask.items(), await _ask_all(worker, placement, ask, "split-outputs")):
         remote[holder] = {pos: np.asarray(got, dtype=np.int64) for pos, got in zip(positions, answer["outputs"])}
@@ -609,16 +855,20 @@ async def _learn(worker: Any, placement: Placement, mine: list[int],
 
 
 async def _gather(worker: Any, placement: Placement, index: int, mine: list[int],
-                  ask: dict[str, list[int]]) -> list[Bundle]:
+                  ask: dict[str, list[int]]) -> tuple[list[tuple[int, Any]], list[Bundle]]:
+    """On the loop: this worker's splits at ``mine`` (or the parts to read of those
+    spilled), and the bundles of output ``index`` the holders in ``ask`` send."""
     import numpy as np
 
-    out = bundle(list(_held(worker, placement, mine).items()), index)
+    store = worker.store
+    local = [(pos, _piece(store, key, index)) for pos, key in _held(worker, placement, mine)]
+    out = []
     for positions, answer in await _ask_all(worker, placement, ask, "get-slices", index=index):
         where = np.asarray(positions, dtype=np.int64)
         for got in answer["rows"]:
             got.positions = where[got.positions]  # (their place in the request: in the placement)
             out.append(got)
-    return out
+    return local, out
 
 
 async def _ask(worker: Any, holder: str, op: str, keys: list[Any], **fields: Any) -> dict[str, Any]:
@@ -637,31 +887,44 @@ async def _ask(worker: Any, holder: str, op: str, keys: list[Any], **fields: Any
     return response["result"]
 
 
-def _splits(store: Any, keys: list[Any], op: str) -> list[tuple[int, Split]]:
-    """The split values among ``keys`` this worker holds, with their place in ``keys``."""
+def _splits(store: Any, keys: list[Any], op: str) -> list[tuple[int, Any]]:
+    """The split keys among ``keys`` this worker holds, with their place in ``keys``."""
     out = []
     for i, key in enumerate(keys):
         name = key[0] if isinstance(key, tuple) and key else key
         if not (isinstance(name, str) and name.startswith(SPLIT_PREFIX)):
             raise ShuffleError(f"{op} serves the values of shuffle splits only, not {key!r:.100}")
         if key in store:
-            value = store.peek(key)
-            if not isinstance(value, Split):
-                raise ShuffleError(f"{key!r:.100} holds no split of shoal's shuffle")
-            out.append((i, value))
+            out.append((i, key))
     return out
 
 
-def serve_slices(store: Any, keys: list[Any], index: int) -> tuple[list[int], list[Bundle]]:
-    """``get-slices``: which of ``keys`` this worker holds (their places in ``keys``),
-    and the rows of output ``index`` of those splits (bundles whose positions are
-    places in ``keys``)."""
-    splits = _splits(store, keys, "get-slices")
-    return [i for i, _ in splits], bundle(splits, index)
+async def serve_slices(worker: Any, keys: list[Any], index: int) -> tuple[list[int], list[Bundle], list[int]]:
+    """``get-slices`` (on the worker's loop): which of ``keys`` this worker holds
+    (their places in ``keys``), the rows of output ``index`` of those splits
+    (bundles whose positions are places in ``keys``), and the places of those it
+    lost answering (their spill files fail: the scheduler is told). The parts of
+    spilled splits are read in a thread, off the loop."""
+    store = worker.store
+    pieces: list[tuple[int, Any]] = [(i, _piece(store, key, index)) for i, key in _splits(store, keys, "get-slices")]
+    lost: list[int] = []
+    for _ in range(_TRIES):
+        if not any(isinstance(piece, _PartRead) for _, piece in pieces):
+            break
+        done, gone, failed = await asyncio.to_thread(_read, pieces)
+        if failed:
+            await _lose(worker, failed)
+            lost.extend(keys.index(piece.key) for piece, _ in failed)
+        # (one gone meanwhile and no longer here is left out: not held)
+        pieces = done + [(i, _piece(store, piece.key, index)) for i, piece in gone if piece.key in store]
+    else:
+        pieces = [(i, piece) for i, piece in pieces if not isinstance(piece, _PartRead)]
+    pieces.sort(key=lambda p: p[0])
+    return [i for i, _ in pieces], bundle(pieces, index), lost
 
 
 def serve_outputs(store: Any, keys: list[Any]) -> tuple[list[int], list[list[int]]]:
     """``split-outputs``: which of ``keys`` this worker holds (their places in
     ``keys``), and for each the output partitions its split has rows for."""
     splits = _splits(store, keys, "split-outputs")
-    return [i for i, _ in splits], [value.outputs.tolist() for _, value in splits]
+    return [i for i, _ in splits], [_head(store, key).outputs.tolist() for _, key in splits]

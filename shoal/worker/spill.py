@@ -17,6 +17,11 @@ File layout (integers little-endian)::
     the frames, one after another; an lz4 frame is a run of chunks, each a u32
     compressed length and the lz4 block of up to :data:`CHUNK` raw bytes
 
+A value whose parts are read one at a time (a shuffle's split: each output partition
+reads its own rows) is written in parts (:func:`write_parts`): one such record per
+part, one after another, each with its own header and checksums, so that one part
+is read and checked alone (:func:`read_part`) without the bytes of the others.
+
 Checksums: a disk (or a program writing where it should not) can change a file's
 bytes, and a value read back from such a file must never be used. Each frame's stored
 bytes are hashed (xxh3, ~17 GB/s cold, ~30 GB/s in cache): a compressed chunk as it is
@@ -50,7 +55,8 @@ import xxhash
 
 from ..errors import CorruptedDataError, ShoalError
 
-__all__ = ["Unspillable", "CorruptSpillFile", "lz4_available", "dump_frames", "write_value", "read_value"]
+__all__ = ["Unspillable", "CorruptSpillFile", "lz4_available", "dump_frames", "write_value", "read_value",
+           "write_parts", "read_part", "read_parts"]
 
 MAGIC = b"SHOALSP2"
 _COUNT = struct.Struct("<I")
@@ -169,40 +175,25 @@ def write_value(path: str, obj: Any, compress: bool = True) -> int:
     Frames are written as they are compressed, one chunk at a time, and the header
     last, in the room left for it: a spill costs one compressed chunk of memory, not
     a compressed copy of the value (spilling happens when memory is short)."""
-    frames = dump_frames(obj)
-    entries: list[tuple[int, int, int, int]] = []
+    written, _ = write_parts(path, [obj], compress)
+    return written
+
+
+def write_parts(path: str, parts: Sequence[Any], compress: bool = True) -> tuple[int, list[tuple[int, int]]]:
+    """Write each of ``parts`` to a new file ``path``, one record after another (a
+    record is laid out as a file of :func:`write_value`, its own header and checksums
+    included); returns the bytes written and each record's ``(offset, length)``, by
+    which :func:`read_part` reads one back alone. Raises as :func:`write_value`."""
+    framed = [dump_frames(part) for part in parts]
+    records: list[tuple[int, int]] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         try:
-            # small raw frames go out together, in one writev
-            pending: list[Any] = [bytes(_header_size(len(frames)))]
             pos = 0
-            for frame in frames:
-                n = frame.nbytes
-                if compress and _lz4 is not None and n >= MIN_COMPRESS and _sample_shrinks(frame):
-                    pos += _writev_all(fd, pending)
-                    pending = []
-                    done = _write_compressed(fd, frame)
-                    if done is not None:
-                        entries.append((LZ4, n, *done))
-                        pos += done[0]
-                        continue
-                    # it does not shrink after all: written as it is, over the attempt
-                    os.ftruncate(fd, pos)
-                    os.lseek(fd, pos, os.SEEK_SET)
-                if n < _THREAD_HASH:
-                    pending.append(frame)
-                    entries.append((RAW, n, n, xxhash.xxh3_64_intdigest(frame)))
-                    continue
-                pos += _writev_all(fd, pending)
-                pending = []
-                entries.append((RAW, n, n, _write_raw(fd, frame)))
+            for frames in framed:
+                n = _write_record(fd, frames, compress, pos)
+                records.append((pos, n))
                 pos += n
-            pos += _writev_all(fd, pending)
-            table = b"".join([MAGIC, _COUNT.pack(len(frames)), *(_FRAME.pack(*e) for e in entries)])
-            header = table + _SUM.pack(xxhash.xxh3_64_intdigest(table))
-            if os.pwrite(fd, header, 0) != len(header):
-                raise OSError(errno.EIO, f"short write of a spill file's header ({path})")
         finally:
             os.close(fd)
     except BaseException:
@@ -211,7 +202,43 @@ def write_value(path: str, obj: Any, compress: bool = True) -> int:
         except OSError:
             pass
         raise
-    return pos
+    return pos, records
+
+
+def _write_record(fd: int, frames: list[memoryview], compress: bool, start: int) -> int:
+    """Write one record of ``frames`` at ``start`` (where ``fd`` stands); returns its
+    length."""
+    entries: list[tuple[int, int, int, int]] = []
+    # small raw frames go out together, in one writev
+    pending: list[Any] = [bytes(_header_size(len(frames)))]
+    pos = start
+    for frame in frames:
+        n = frame.nbytes
+        if compress and _lz4 is not None and n >= MIN_COMPRESS and _sample_shrinks(frame):
+            pos += _writev_all(fd, pending)
+            pending = []
+            done = _write_compressed(fd, frame)
+            if done is not None:
+                entries.append((LZ4, n, *done))
+                pos += done[0]
+                continue
+            # it does not shrink after all: written as it is, over the attempt
+            os.ftruncate(fd, pos)
+            os.lseek(fd, pos, os.SEEK_SET)
+        if n < _THREAD_HASH:
+            pending.append(frame)
+            entries.append((RAW, n, n, xxhash.xxh3_64_intdigest(frame)))
+            continue
+        pos += _writev_all(fd, pending)
+        pending = []
+        entries.append((RAW, n, n, _write_raw(fd, frame)))
+        pos += n
+    pos += _writev_all(fd, pending)
+    table = b"".join([MAGIC, _COUNT.pack(len(frames)), *(_FRAME.pack(*e) for e in entries)])
+    header = table + _SUM.pack(xxhash.xxh3_64_intdigest(table))
+    if os.pwrite(fd, header, start) != len(header):
+        raise OSError(errno.EIO, "short write of a spill file's header")
+    return pos - start
 
 
 def _header_size(count: int) -> int:
@@ -285,25 +312,64 @@ def read_value(path: str) -> Any:
     not those written: see the module)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        head = _read_exact(fd, len(MAGIC) + _COUNT.size, path)
-        if head[: len(MAGIC)] != MAGIC:
-            raise CorruptSpillFile(f"{path} is not a spill file (of this version)", path=path)
-        (count,) = _COUNT.unpack_from(head, len(MAGIC))
-        if _header_size(count) > size:
-            raise CorruptSpillFile(f"spill file {path} is cut short (or its header is corrupt): "
-                                   f"{size:,} bytes for {count:,} frames", path=path)
-        table = _read_exact(fd, _header_size(count) - len(head), path)
-        (digest,) = _SUM.unpack_from(table, len(table) - _SUM.size)
-        if xxhash.xxh3_64_intdigest(bytes(head) + table[: -_SUM.size]) != digest:
-            raise CorruptSpillFile(f"the header of spill file {path} does not match its checksum", path=path)
-        entries = [_FRAME.unpack_from(table, i * _FRAME.size) for i in range(count)]
-        expected = _header_size(count) + sum(e[2] for e in entries)
-        if expected != size:
-            raise CorruptSpillFile(f"spill file {path} has {size:,} bytes; its header says {expected:,}", path=path)
-        frames = [_read_frame(fd, path, i, *e) for i, e in enumerate(entries)]
+        return _read_record(fd, path, 0, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def read_part(path: str, offset: int, length: int) -> Any:
+    """The part in the record at ``offset`` (of ``length`` bytes) of a file written
+    by :func:`write_parts`, read alone; raises as :func:`read_value`."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CorruptSpillFile(f"spill file {path} has {size:,} bytes, no record of {length:,} at {offset:,}",
+                                   path=path)
+        os.lseek(fd, offset, os.SEEK_SET)
+        return _read_record(fd, path, offset, length)
+    finally:
+        os.close(fd)
+
+
+def read_parts(path: str, records: Sequence[tuple[int, int]]) -> list[Any]:
+    """Every part of a file written by :func:`write_parts` (``records`` as it
+    returned them); raises as :func:`read_value`."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if sum(n for _, n in records) != size:
+            raise CorruptSpillFile(f"spill file {path} has {size:,} bytes, not the {sum(n for _, n in records):,} "
+                                   "of its records", path=path)
+        out = []
+        for offset, length in records:
+            os.lseek(fd, offset, os.SEEK_SET)
+            out.append(_read_record(fd, path, offset, length))
+        return out
+    finally:
+        os.close(fd)
+
+
+def _read_record(fd: int, path: str, start: int, size: int) -> Any:
+    """The value in the record of ``size`` bytes at ``start`` (where ``fd`` stands)."""
+    head = _read_exact(fd, min(len(MAGIC) + _COUNT.size, size), path)
+    if head[: len(MAGIC)] != MAGIC or len(head) < len(MAGIC) + _COUNT.size:
+        raise CorruptSpillFile(f"{path} is not a spill file (of this version)", path=path)
+    (count,) = _COUNT.unpack_from(head, len(MAGIC))
+    if _header_size(count) > size:
+        raise CorruptSpillFile(f"spill file {path} is cut short (or its header is corrupt): "
+                               f"{size:,} bytes for {count:,} frames", path=path)
+    table = _read_exact(fd, _header_size(count) - len(head), path)
+    (digest,) = _SUM.unpack_from(table, len(table) - _SUM.size)
+    if xxhash.xxh3_64_intdigest(bytes(head) + table[: -_SUM.size]) != digest:
+        raise CorruptSpillFile(f"the header of spill file {path} does not match its checksum", path=path)
+    entries = [_FRAME.unpack_from(table, i * _FRAME.size) for i in range(count)]
+    expected = _header_size(count) + sum(e[2] for e in entries)
+    if expected != size:
+        where = "" if start == 0 else f" (the record at {start:,})"
+        raise CorruptSpillFile(f"spill file {path}{where} has {size:,} bytes; its header says {expected:,}",
+                               path=path)
+    frames = [_read_frame(fd, path, i, *e) for i, e in enumerate(entries)]
     return pickle.loads(frames[0], buffers=frames[1:])
 
 

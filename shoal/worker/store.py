@@ -21,6 +21,15 @@ actor's instance does not travel with its pickled ref). :meth:`WorkerStore.evict
 spills one value on demand (the memory monitor, which watches the process, calls it).
 Without a target nothing spills and the hot path is a dict plus one size per value.
 
+A value that is read a part at a time (a shuffle's split: each output partition wants
+its own rows of it) spills in parts: its class's ``__shoal_spill_parts__()`` gives a
+*head*, small and kept in memory, and the parts, written one record each
+(:func:`.spill.write_parts`). :meth:`~WorkerStore.peek_head` then gives the head,
+:meth:`~WorkerStore.part_record` where one part lies, and any thread reads that part
+alone (:func:`.spill.read_part`): a value on disk is served a part at a time, never
+read back whole for one part. Read back whole, it is the head's
+``__shoal_join_parts__(parts)``.
+
 Why not zict: its ``Buffer``/``LRU`` (with a lock on every call in zict 3) has no notion
 of values that must not spill (mapped ones, unpicklable ones tried once) nor of values
 whose spilling must also drop a segment; the LRU here is a plain insertion-ordered
@@ -69,6 +78,9 @@ from .actor import ActorRef
 
 __all__ = ["WorkerStore"]
 
+#: a value spilled in parts: its head and each part's record (offset, length)
+Parts = tuple[Any, list[tuple[int, int]]]
+
 logger = logging.getLogger("shoal.worker")
 
 MANAGED, SHM_OWNED, MAPPED = 0, 1, 2
@@ -103,8 +115,9 @@ class WorkerStore(MutableMapping[Key, Any]):
         self._lru: dict[Key, None] = {}
         #: keys whose values cannot be pickled: never tried again while stored
         self.unspillable: set[Key] = set()
-        #: key -> (spill file, bytes written, the value's size in memory)
-        self._slow: dict[Key, tuple[str, int, int]] = {}
+        #: key -> (spill file, bytes written, the value's size in memory, and for a
+        #: value written in parts its head and where each part's record is)
+        self._slow: dict[Key, tuple[str, int, int, Parts | None]] = {}
         self._names = itertools.count()
         self._own_dir: str | None = None  # a temporary directory made by this store
         self._dir_ready = False
@@ -197,6 +210,40 @@ class WorkerStore(MutableMapping[Key, Any]):
         raises ``KeyError`` if absent."""
         meta = self._meta.get(key)
         return meta[1] if meta is not None else self._slow[key][2]
+
+    def peek_head(self, key: Key) -> Any:
+        """As :meth:`peek`, except that of a value spilled in parts only its head is
+        given (what its ``__shoal_spill_parts__`` kept in memory; see the module): its
+        parts are read one at a time with :meth:`part_record` and
+        :func:`.spill.read_part`."""
+        entry = self._slow.get(key) if key not in self._data else None
+        if entry is not None and entry[3] is not None:
+            return entry[3][0]
+        return self.peek(key)
+
+    def part_record(self, key: Key, number: int) -> tuple[str, int, int]:
+        """Where part ``number`` of ``key``'s value, spilled in parts, is: its file,
+        and the offset and length of its record there (read it with
+        :func:`.spill.read_part`, in any thread; a file gone meanwhile means the value
+        was read back or released: ask again). Raises ``KeyError`` if the value is not
+        spilled in parts, ``IndexError`` for a part it does not have."""
+        path, _, _, parts = self._slow[key]
+        if parts is None:
+            raise KeyError(key)
+        offset, length = parts[1][number]
+        return path, offset, length
+
+    def lose(self, key: Key, path: str, cause: BaseException) -> spill.CorruptSpillFile:
+        """The value of ``key`` is lost: reading its spill file ``path`` failed with
+        ``cause`` (a part read in another thread). Its file and key go if they are still
+        that file's; returns the error to raise or report (the caller tells the
+        scheduler, which computes the value again)."""
+        entry = self._slow.get(key)
+        if entry is not None and entry[0] == path:
+            del self._slow[key]
+            self._remove_file(*entry)
+        return spill.CorruptSpillFile(f"the value of {short_repr(key)} is lost: its spill file {path} cannot be "
+                                      f"read back ({describe(cause)})", key=key, path=path)
 
     def peek(self, key: Key) -> Any:
         """``key``'s value without moving it: one in memory as ``store[key]`` gives it,
@@ -318,9 +365,17 @@ class WorkerStore(MutableMapping[Key, Any]):
                 return 0
             self._retry_at = now + self.disk_retry
         value = self._data[key]
+        parts: Parts | None = None
         try:
             path = self._new_path()
-            written = spill.write_value(path, value, self.compress)
+            cut = getattr(type(value), "__shoal_spill_parts__", None)
+            if cut is not None:
+                head, pieces = cut(value)
+                written, records = spill.write_parts(path, pieces, self.compress)
+                del pieces
+                parts = (head, records)
+            else:
+                written = spill.write_value(path, value, self.compress)
         except spill.Unspillable as exc:
             del self._lru[key]
             self.unspillable.add(key)
@@ -349,7 +404,7 @@ class WorkerStore(MutableMapping[Key, Any]):
             self.managed -= n
         else:
             self.shm_owned -= n
-        self._slow[key] = (path, written, n)
+        self._slow[key] = (path, written, n, parts)
         self.spilled += n
         self.spilled_disk += written
         self.spilled_count += 1
@@ -360,8 +415,7 @@ class WorkerStore(MutableMapping[Key, Any]):
         """Read ``key``'s value back from disk into private memory; raises ``KeyError``
         if it is not spilled, and what :meth:`_read_back` raises."""
         value = self._read_back(key)
-        path, written, was = self._slow.pop(key)
-        self._remove_file(path, written, was)
+        self._remove_file(*self._slow.pop(key))
         n = managed_sizeof(value)
         self._data[key] = value
         self._meta[key] = (MANAGED, n)
@@ -379,8 +433,11 @@ class WorkerStore(MutableMapping[Key, Any]):
         :class:`.spill.CorruptSpillFile` names both (the caller tells the scheduler,
         which computes it again). A want of memory or of descriptors, which may pass,
         raises as it is (``MemoryError``, ``OSError``), and the key stays spilled."""
-        path, written, was = self._slow[key]
+        path, written, was, parts = self._slow[key]
         try:
+            if parts is not None:
+                head, records = parts
+                return head.__shoal_join_parts__(spill.read_parts(path, records))
             return spill.read_value(path)
         except MemoryError:
             raise
@@ -391,7 +448,7 @@ class WorkerStore(MutableMapping[Key, Any]):
         except Exception as exc:  # noqa: BLE001 - a corrupt file, or a value whose unpickling raises
             cause = exc
         del self._slow[key]
-        self._remove_file(path, written, was)
+        self._remove_file(path, written, was, parts)
         raise spill.CorruptSpillFile(f"the value of {short_repr(key)} is lost: its spill file {path} cannot be read "
                                      f"back ({describe(cause)})", key=key, path=path) from cause
 
@@ -420,7 +477,7 @@ class WorkerStore(MutableMapping[Key, Any]):
             if not os.path.lexists(path):  # a file left by an earlier store: not ours
                 return path
 
-    def _remove_file(self, path: str, written: int, size: int) -> None:
+    def _remove_file(self, path: str, written: int, size: int, parts: Parts | None = None) -> None:
         self.spilled -= size
         self.spilled_disk -= written
         self.spilled_count -= 1
@@ -469,7 +526,7 @@ class WorkerStore(MutableMapping[Key, Any]):
             seg.unlink()
         self.segments.clear()
         self._expected.clear()
-        for path, _, _ in self._slow.values():
+        for path, *_ in self._slow.values():
             try:
                 os.unlink(path)
             except OSError:

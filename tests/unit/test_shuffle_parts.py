@@ -1,8 +1,15 @@
 """The pieces of shoal's shuffle without a cluster: a split (rows sorted by output,
 offsets), the rows of one output, the barrier's check of what it got, get-slices'
-checks, and a worker's state running a ``locate`` task on where its inputs are."""
+checks, a split spilled in parts (one output read alone; a flipped bit), and a
+worker's state running a ``locate`` task on where its inputs are."""
 
 from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import os
+import weakref
 
 import numpy as np
 import pandas as pd
@@ -10,7 +17,21 @@ import pytest
 from worker_harness import Wk, executes, gathers
 
 from shoal.errors import ShuffleError
-from shoal.worker.shuffle import Location, bundle, join, locate, serve_outputs, serve_slices, split
+from shoal.worker import spill as spill_module
+from shoal.worker.shuffle import (
+    Location,
+    Placement,
+    Sources,
+    Split,
+    SplitHead,
+    bundle,
+    join,
+    locate,
+    serve_outputs,
+    serve_slices,
+    split,
+)
+from shoal.worker.store import WorkerStore
 from shoal.worker.state import ComputeTaskEvent
 
 
@@ -90,23 +111,176 @@ def test_a_shuffle_runs_right_on_dasks_own_schedulers(ignore_index):
         pd.testing.assert_series_equal(groups.sort_index(), pdf.groupby("k").v.sum().sort_index())
 
 
-class _Store(dict):
-    def peek(self, key):
-        return self[key]
+class _Worker:
+    """What get-slices uses of a worker: its store, and the scheduler it tells of
+    values lost."""
+
+    def __init__(self, store: WorkerStore) -> None:
+        self.store = store
+        self.lost: list = []
+
+    def values_lost(self, keys):
+        self.lost.extend(keys)
 
 
-def test_get_slices_serves_splits_only_and_leaves_out_what_it_lacks():
-    store = _Store({("shoal-shuffle-split-abc", 0): split(frame(100, 4), "_partitions", 4), "other": 1})
-    held, rows = serve_slices(store, [("shoal-shuffle-split-abc", 1), ("shoal-shuffle-split-abc", 0)], 2)
-    assert held == [1] and [b.positions.tolist() for b in rows] == [[1]]
+def _slices(worker, keys, index):
+    return asyncio.run(serve_slices(worker, keys, index))
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = WorkerStore(directory=str(tmp_path / "spill"))
+    yield s
+    s.close()
+
+
+def test_get_slices_serves_splits_only_and_leaves_out_what_it_lacks(store):
+    store[("shoal-shuffle-split-abc", 0)] = split(frame(100, 4), "_partitions", 4)
+    store["other"] = 1
+    worker = _Worker(store)
+    held, rows, lost = _slices(worker, [("shoal-shuffle-split-abc", 1), ("shoal-shuffle-split-abc", 0)], 2)
+    assert held == [1] and lost == [] and [b.positions.tolist() for b in rows] == [[1]]
     got = join(rows, None, False)
     assert len(got) and (got["_partitions"] == 2).all()
     with pytest.raises(ShuffleError, match="splits only"):
-        serve_slices(store, ["other"], 0)
+        _slices(worker, ["other"], 0)
     held, outputs = serve_outputs(store, [("shoal-shuffle-split-abc", 0), ("shoal-shuffle-split-abc", 1)])
     assert held == [0] and outputs == [[0, 1, 2, 3]]
     with pytest.raises(ShuffleError, match="splits only"):
         serve_outputs(store, ["other"])
+
+
+def _keys(n):
+    return [("shoal-shuffle-split-t", i) for i in range(n)]
+
+
+@pytest.mark.parametrize("outputs", [1, 5, 300])
+def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(store, monkeypatch, outputs):
+    """A split spills in parts (one per output it has rows for): get-slices reads only
+    that output's record, and gives the rows it gave from memory; the split read back
+    whole is the one written."""
+    frames = [frame(2000, outputs, seed) for seed in range(3)]
+    keys = _keys(3)
+    for key, df in zip(keys, frames):
+        store[key] = split(df, "_partitions", outputs)
+    kept = {j: join(_slices(_Worker(store), keys, j)[1], None, False) for j in range(outputs)}
+    for key in keys[:2]:
+        store._spill(key)
+    assert store.is_spilled(keys[0]) and not store.is_spilled(keys[2])
+    assert isinstance(store.peek_head(keys[0]), SplitHead)
+
+    read = []
+    real = spill_module.read_part
+    monkeypatch.setattr(spill_module, "read_part", lambda path, offset, length: read.append(length) or real(
+        path, offset, length))
+    worker = _Worker(store)
+    for j in range(outputs):
+        read.clear()
+        held, rows, lost = _slices(worker, keys, j)
+        assert held == [0, 1, 2] and lost == []
+        pd.testing.assert_frame_equal(join(rows, None, False), kept[j])
+        # one record per spilled split with rows for j, each a part of its file
+        with_rows = [k for k, df in zip(keys[:2], frames) if (df["_partitions"] == j).any()]
+        assert len(read) == len(with_rows)
+        if outputs > 1:
+            assert all(n < store._slow[keys[0]][1] for n in read)
+    assert store.is_spilled(keys[0])  # (served, and left on disk)
+    held, outputs_of = serve_outputs(store, keys)
+    assert outputs_of == [sorted(set(df["_partitions"])) for df in frames]
+    whole = store[keys[0]]  # read back whole
+    assert isinstance(whole, Split) and not store.is_spilled(keys[0])
+    for j in range(outputs):
+        pd.testing.assert_frame_equal(whole.rows(j), frames[0][frames[0]["_partitions"] == j])
+
+
+def test_a_spilled_split_of_every_column_type_reads_back_as_written(store):
+    df = _mixed(500, 1, ["a", "b", "c"])
+    key = _keys(1)[0]
+    store[key] = split(df, "k", 6)
+    expected = {j: store[key].rows(j) for j in range(6)}
+    store._spill(key)
+    worker = _Worker(store)
+    for j in range(6):
+        held, rows, lost = _slices(worker, [key], j)
+        pd.testing.assert_frame_equal(join(rows, df.iloc[:0], False), expected[j])
+    whole = store[key]
+    for j in range(6):
+        pd.testing.assert_frame_equal(whole.rows(j), expected[j])
+
+
+def test_a_flipped_bit_in_a_spilled_split_loses_it_and_never_serves_its_rows(store):
+    """A record that fails its checksum is no rows: the split is lost (gone from the
+    store, its file removed, the scheduler told) and get-slices says so; the records
+    of other outputs were never read and other splits are served."""
+    keys = _keys(2)
+    frames = [frame(3000, 4, seed) for seed in range(2)]
+    for key, df in zip(keys, frames):
+        store[key] = split(df, "_partitions", 4)
+        store._spill(key)
+    path, _, _, (head, records) = store._slow[keys[0]]
+    offset, length = records[2]
+    with open(path, "r+b") as f:  # one bit, near the end of the record of output 2
+        f.seek(offset + length - 9)
+        byte = f.read(1)
+        f.seek(offset + length - 9)
+        f.write(bytes([byte[0] ^ 0x10]))
+    worker = _Worker(store)
+    held, rows, lost = _slices(worker, keys, 1)  # another record of the same file: fine
+    assert held == [0, 1] and lost == []
+    held, rows, lost = _slices(worker, keys, 2)
+    assert lost == [0] and held == [1] and worker.lost == [keys[0]]
+    assert keys[0] not in store and not os.path.exists(path)
+    got = join(rows, None, False)
+    pd.testing.assert_frame_equal(got, frames[1][frames[1]["_partitions"] == 2])
+
+
+def test_a_split_spilled_and_read_back_meanwhile_is_served_from_memory(store, monkeypatch):
+    """The file of a part went between the lookup and the read (the split was read
+    back): get-slices looks again and serves it from memory."""
+    key = _keys(1)[0]
+    df = frame(1000, 3)
+    store[key] = split(df, "_partitions", 3)
+    store._spill(key)
+    real = spill_module.read_part
+
+    def meanwhile(path, offset, length):
+        store[key]  # read back: its file goes
+        return real(path, offset, length)
+
+    monkeypatch.setattr(spill_module, "read_part", meanwhile)
+    held, rows, lost = _slices(_Worker(store), [key], 1)
+    assert held == [0] and lost == [] and not store.is_spilled(key)
+    pd.testing.assert_frame_equal(join(rows, None, False), df[df["_partitions"] == 1])
+
+
+def test_what_a_worker_learned_of_a_placement_goes_with_it_without_the_cyclic_collector():
+    """The placement holds each worker's Sources (with the splits it keeps mapped):
+    dropping the placement must unmap them at once, not when a collection runs."""
+    value = split(frame(100, 4), "_partitions", 4)
+    placement = Placement([Location(("shoal-shuffle-split-t", 0), ("w",), 100, None)])
+    sources = Sources({}, {0: value.outputs.copy()}, {}, None, {0: (value, 100)})
+    assert [pos for pos, _ in sources.map(placement, [0], {})] == [0]
+    learned: concurrent.futures.Future = concurrent.futures.Future()
+    learned.set_result(sources)
+    placement._sources["w"] = learned
+    kept = weakref.ref(value)
+    gc.disable()
+    try:
+        del placement, sources, learned, value
+        assert kept() is None
+    finally:
+        gc.enable()
+
+
+def test_splits_mapped_past_the_budget_are_let_go_and_then_asked_of_their_holders():
+    """Mapped splits are kept up to the budget (least recently used go first); one let
+    go that cannot be mapped again (here: its segment is gone) is asked of its holder."""
+    a, b = (split(frame(100, 4, seed), "_partitions", 4) for seed in (1, 2))
+    placement = Placement([Location(("shoal-shuffle-split-t", i), (f"w{i}",), 100, None) for i in range(2)])
+    sources = Sources({}, {0: a.outputs.copy(), 1: b.outputs.copy()}, {}, 150, {0: (a, 100), 1: (b, 100)})
+    ask: dict = {}
+    got = sources.map(placement, [1, 0], ask)
+    assert [pos for pos, _ in got] == [1] and got[0][1] is b and ask == {"w0": [0]}
 
 
 def _mixed(n: int, seed: int, categories: list[str]) -> pd.DataFrame:

@@ -54,10 +54,10 @@ def check_totals(s: WorkerStore) -> None:
     owned = sum(n for k, (kind, n) in s._meta.items() if kind == 1)
     mapped = sum(n for k, (kind, n) in s._meta.items() if kind == 2)
     assert (s.managed, s.shm_owned, s.mapped) == (managed, owned, mapped)
-    assert s.spilled_disk == sum(w for _, w, _ in s._slow.values())
-    assert s.spilled == sum(n for _, _, n in s._slow.values())
+    assert s.spilled_disk == sum(entry[1] for entry in s._slow.values())
+    assert s.spilled == sum(entry[2] for entry in s._slow.values())
     assert s.spilled_count == len(s._slow) == len(files(s))
-    assert s.spilled_disk == sum(os.path.getsize(p) for p, _, _ in s._slow.values())
+    assert s.spilled_disk == sum(os.path.getsize(entry[0]) for entry in s._slow.values())
     assert set(s._lru) <= set(s._data)
     assert len(s) == len(s._data) + len(s._slow) == len(set(s))
 
