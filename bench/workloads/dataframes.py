@@ -54,9 +54,12 @@ df_shuffle = Workload(
     "2 worker processes x 1 thread; every result checked against pandas. shoal: its own "
     "shuffle (`shoal`, shuffle_method='shoal') and dask's task shuffle on shoal "
     "(`shoal_tasks`); dask: its P2P shuffle (`p2p`) and its task shuffle (`tasks`) on "
-    "the same cluster. Median of `rounds` after one untimed round.",
+    "the same cluster. Median of `rounds` after one untimed round. `memory_limit` (each "
+    "worker's; empty: the systems' default) and `methods` (a comma list of the methods "
+    "above; empty: all) measure an exchange larger than the workers may hold.",
     metrics=_metrics(("shoal", "shoal_tasks", "p2p", "tasks")),
-    params={"rows": 8_000_000, "partitions": 32, "ops": ",".join(OPS), "rounds": 1},
+    params={"rows": 8_000_000, "partitions": 32, "ops": ",".join(OPS), "rounds": 1, "memory_limit": "",
+            "methods": ""},
     quick={"rows": 200_000, "partitions": 8, "rounds": 1},
     timeout=1800,
 )
@@ -101,23 +104,24 @@ def _frames(dd: Any, rows: int, partitions: int) -> tuple[Any, Any]:
     return left, right
 
 
-def _expected(rows: int, partitions: int) -> dict[str, dict[str, float]]:
-    """What each operation's lines must add up to, from pandas in this process."""
+def _expected(rows: int, partitions: int, ops: str = ",".join(OPS)) -> dict[str, dict[str, float]]:
+    """What each operation of ``ops`` must add up to, from pandas in this process."""
     import pandas as pd
 
     per = rows // partitions
     keys = max(1, rows // 4)
+    wanted = set(ops.split(","))
     left = pd.concat([make_part(i, per, keys, 1) for i in range(partitions)], ignore_index=True)
-    right = pd.concat([make_part(i, per, keys, 2) for i in range(max(1, partitions // 4))], ignore_index=True)
-    right = right.rename(columns={"g": "g2", "v": "w"})
-    merged = left.merge(right, on="k")
-    grouped = left.groupby("k").sum()
-    out = {
-        "shuffle": {"rows": len(left), "v": float(left["v"].sum()), "distinct": left["k"].nunique()},
-        "merge": {"rows": len(merged), "v": float(merged["v"].sum()), "distinct": merged["k"].nunique()},
-        "set_index": {"rows": len(left), "v": float(left["v"].sum()), "distinct": left["k"].nunique()},
-        "groupby": {"rows": len(grouped), "v": float(grouped["v"].sum()), "distinct": len(grouped)},
-    }
+    whole = {"rows": len(left), "v": float(left["v"].sum()), "distinct": left["k"].nunique()}
+    out = {"shuffle": whole, "set_index": whole}
+    if "merge" in wanted:
+        right = pd.concat([make_part(i, per, keys, 2) for i in range(max(1, partitions // 4))], ignore_index=True)
+        merged = left.merge(right.rename(columns={"g": "g2", "v": "w"}), on="k")
+        out["merge"] = {"rows": len(merged), "v": float(merged["v"].sum()), "distinct": merged["k"].nunique()}
+        del merged
+    if "groupby" in wanted:
+        grouped = left.groupby("k").sum()
+        out["groupby"] = {"rows": len(grouped), "v": float(grouped["v"].sum()), "distinct": len(grouped)}
     return out
 
 
@@ -204,7 +208,7 @@ def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions:
              rounds: int) -> dict[str, Any]:
     import dask.dataframe as dd
 
-    want = _expected(rows, partitions)
+    want = _expected(rows, partitions, ops)
     left, right = _frames(dd, rows, partitions)
     out: dict[str, Any] = {}
     for op in ops.split(","):
@@ -226,24 +230,35 @@ def _run_ops(client: Any, methods: dict[str, str | None], rows: int, partitions:
     return out
 
 
-def _session(system: str) -> Any:
+def _session(system: str, memory_limit: str = "") -> Any:
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
     from .cluster import open_session
 
-    return open_session(system)
+    return open_session(system, memory_limit=memory_limit or None)
+
+
+def _chosen(methods: dict[str, str], wanted: str) -> dict[str, str]:
+    names = [m for m in wanted.split(",") if m]
+    return {name: m for name, m in methods.items() if not names or name in names}
 
 
 @df_shuffle.system("shoal")
-def _shoal(rows: int, partitions: int, ops: str, rounds: int) -> dict[str, Any]:
-    with _session("shoal") as s:
-        out = _run_ops(s.client, {"shoal": "shoal", "shoal_tasks": "tasks"}, rows, partitions, ops, rounds)
+def _shoal(rows: int, partitions: int, ops: str, rounds: int, memory_limit: str = "",
+           methods: str = "") -> dict[str, Any]:
+    chosen = _chosen({"shoal": "shoal", "shoal_tasks": "tasks"}, methods)
+    with _session("shoal", memory_limit) as s:
+        out = _run_ops(s.client, chosen, rows, partitions, ops, rounds) if chosen else {}
         out.update(s.extra_info())
     return out
 
 
 @df_shuffle.system("dask")
-def _dask(rows: int, partitions: int, ops: str, rounds: int) -> dict[str, Any]:
-    with _session("dask") as s:
-        out = _run_ops(s.client, {"p2p": "p2p", "tasks": "tasks"}, rows, partitions, ops, rounds)
+def _dask(rows: int, partitions: int, ops: str, rounds: int, memory_limit: str = "",
+          methods: str = "") -> dict[str, Any]:
+    chosen = _chosen({"p2p": "p2p", "tasks": "tasks"}, methods)
+    if not chosen:
+        return {}
+    with _session("dask", memory_limit) as s:
+        out = _run_ops(s.client, chosen, rows, partitions, ops, rounds)
     return out
