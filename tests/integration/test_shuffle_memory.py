@@ -1,7 +1,9 @@
 """shoal's shuffle of three times what its workers may hold: every row arrives where
-it belongs (each output's rows against the rows the test routed itself), no worker
-passes its memory limit (none is restarted by its nanny), and the worker processes'
-memory stays within their limits above what they hold idle.
+it belongs (each output's rows against the rows dask's planner routes there), no
+worker passes its memory limit (none is restarted by its nanny), and the worker
+processes' memory stays within their limits above what they hold idle. And with
+every value on disk (a memory target of one byte): every exchange against pandas,
+and shuffles under kill -9 at random moments.
 
 Splits spill like any value, in parts (one per output partition), and an assembly
 reads only its own part of each; this is what lets the exchange go on with the data
@@ -9,14 +11,18 @@ on disk rather than fail or be killed."""
 
 from __future__ import annotations
 
+import random
 import threading
 
+import dask
 import numpy as np
 import pandas as pd
 import psutil
 import pytest
 
 import shoal
+from shoal import config
+from shoal.chaos import kill_a_worker, run_chaos
 
 dd = pytest.importorskip("dask.dataframe")
 
@@ -128,3 +134,55 @@ def test_a_shuffle_of_three_times_the_memory_limit_is_right_and_stays_within_it(
     np.testing.assert_array_equal(lines["hash"].to_numpy().astype(np.uint64), expected_hash)
     print(f"peak {meter.peak / 1e6:.0f} MB of PSS, {idle / 1e6:.0f} MB idle; limits {WORKERS * LIMIT / 1e6:.0f} MB")
     assert meter.peak - idle <= WORKERS * LIMIT, f"{(meter.peak - idle) / 1e6:.0f} MB above idle"
+
+
+def _spilled_here() -> int:
+    import gc
+
+    from shoal.worker.server import Worker
+
+    return sum(w.store.spilled_count for w in gc.get_objects() if isinstance(w, Worker))
+
+
+@pytest.fixture
+def every_value_on_disk(monkeypatch):
+    """Worker processes whose stores write every value to disk as it comes (a
+    memory target of one byte): each split is served from its parts on disk."""
+    monkeypatch.setenv("SHOAL_MEMORY_TARGET", "1e-9")
+
+
+def test_every_exchange_is_right_with_every_split_on_disk(every_value_on_disk):
+    rng = np.random.default_rng(5)
+    left = pd.DataFrame({"k": rng.integers(0, 5_000, 40_000), "s": rng.choice(["a", "bb", None], 40_000),
+                         "v": rng.random(40_000)})
+    right = pd.DataFrame({"k": rng.integers(0, 5_000, 8_000), "w": rng.random(8_000)})
+    with shoal.Client(n_workers=2, processes=True, dashboard_address=None, memory_limit="1GB") as client:
+        dl, dr = dd.from_pandas(left, npartitions=10), dd.from_pandas(right, npartitions=4)
+        shuffled = dl.shuffle("k", shuffle_method="shoal").persist()
+        shoal.wait(shuffled)
+        assert sum(client.run(_spilled_here).values()) >= 10, "the values are on disk"
+        got = client.compute(shuffled).result()
+        pd.testing.assert_frame_equal(_sorted(got), _sorted(left))
+        merged = client.compute(dl.merge(dr, on="k", shuffle_method="shoal")).result()
+        pd.testing.assert_frame_equal(_sorted(merged), _sorted(left.merge(right, on="k")))
+        sums = client.compute(dl.groupby("k").v.sum(split_out=4, shuffle_method="shoal")).result()
+        pd.testing.assert_series_equal(sums.sort_index(), left.groupby("k").v.sum().sort_index(), check_names=False)
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in one order; strings compared as text (dask keeps them as Arrow strings,
+    its missing value <NA> where pandas has NaN)."""
+    df = df.assign(s=df["s"].astype(object).where(df["s"].notna(), "<none>").astype(str))
+    return df.sort_values(list(df.columns)).reset_index(drop=True)
+
+
+def test_shuffles_with_every_split_on_disk_stay_right_while_workers_are_killed(every_value_on_disk):
+    with config.set(nanny_max_restarts=10_000), dask.config.set({"dataframe.shuffle.method": "shoal"}):
+        with shoal.Client(n_workers=2, processes=True, dashboard_address=None, memory_limit="1GB") as client:
+            report = run_chaos(client, kill_a_worker(client, random.Random(13)), graphs=8, seed=13,
+                               kill_every=(0.5, 2.0), deadline=60,
+                               kinds=["groupby_split", "shuffle", "merge", "set_index"])
+    assert not report.wrong, report.summary() + "\n" + "\n".join(report.wrong)
+    assert not report.hangs, report.summary() + "\n" + "\n".join(report.hangs)
+    assert not report.unexplained, "\n".join(report.unexplained)
+    assert report.total == 8 and report.kills >= 1, report.summary()
