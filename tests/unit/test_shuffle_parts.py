@@ -234,6 +234,40 @@ def test_a_flipped_bit_in_a_spilled_split_loses_it_and_never_serves_its_rows(sto
     pd.testing.assert_frame_equal(got, frames[1][frames[1]["_partitions"] == 2])
 
 
+def test_an_assembly_that_reads_a_flipped_bit_in_its_own_spilled_split_gives_itself_back(store):
+    """The same in an assembly's own thread, for a split its worker holds: the split is
+    lost (the scheduler told, its file gone) and the task is given back, never run
+    without those rows."""
+    import threading
+
+    from shoal.errors import Reschedule
+    from shoal.worker.shuffle import _piece, _resolve
+
+    key = _keys(1)[0]
+    store[key] = split(frame(2000, 3), "_partitions", 3)
+    store._spill(key)
+    path, _, _, (_, records) = store._slow[key]
+    offset, length = records[1]
+    with open(path, "r+b") as f:
+        f.seek(offset + length - 5)
+        byte = f.read(1)
+        f.seek(offset + length - 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    worker = _Worker(store)
+    worker.loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=worker.loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        assert len(_resolve(worker, [(0, _piece(store, key, 0))], 0)[0][1].arrays[0]) > 0  # another part: fine
+        with pytest.raises(Reschedule, match="lost here"):
+            _resolve(worker, [(0, _piece(store, key, 1))], 1)
+    finally:
+        worker.loop.call_soon_threadsafe(worker.loop.stop)
+        thread.join()
+        worker.loop.close()
+    assert worker.lost == [key] and key not in store and not os.path.exists(path)
+
+
 def test_a_split_spilled_and_read_back_meanwhile_is_served_from_memory(store, monkeypatch):
     """The file of a part went between the lookup and the read (the split was read
     back): get-slices looks again and serves it from memory."""
