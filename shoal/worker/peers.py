@@ -269,7 +269,9 @@ class PeerData:
     def split_outputs(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         """``split-outputs``: for each split of shoal's shuffle among ``keys`` that
         this worker holds, the output partitions it has rows for (:mod:`.shuffle`)."""
-        held, outputs = shuffle.serve_outputs(self.store, keys)
+        held, outputs, files = shuffle.serve_outputs(self.store, keys)
+        if any(f is not None for f in files):
+            return {"held": held, "outputs": outputs, "files": to_serialize(files)}
         return {"held": held, "outputs": outputs}
 
     def has_keys(self, comm: Comm | None, keys: list[Any]) -> dict[str, list[Any]]:

@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..comm.core import host_identity
 from ..errors import CommError, Reschedule, ShuffleError
 
 __all__ = ["Location", "Placement", "Split", "SplitHead", "Bundle", "Sources", "output_numbers", "split", "locate", "assemble",
@@ -402,21 +403,25 @@ class SplitHead:
 
 class _PartRead:
     """Output ``index``'s rows of a split spilled in parts, to read (in any thread)
-    from ``path`` (the record at ``offset`` of ``length`` bytes)."""
+    from ``path`` (the record at ``offset`` of ``length`` bytes): a file of this
+    worker's store (``expect`` None), or of a peer of this host's, which must still be
+    the file of identity ``expect`` (:func:`.spill.identity`)."""
 
-    __slots__ = ("key", "head", "index", "path", "offset", "length")
+    __slots__ = ("key", "head", "index", "path", "offset", "length", "expect")
 
-    def __init__(self, key: Any, head: SplitHead, index: int, path: str, offset: int, length: int) -> None:
+    def __init__(self, key: Any, head: SplitHead, index: int, path: str, offset: int, length: int,
+                 expect: tuple[int, ...] | None = None) -> None:
         self.key, self.head, self.index = key, head, index
         self.path, self.offset, self.length = path, offset, length
+        self.expect = expect
 
     def read(self) -> Split:
         """The rows; raises ``FileNotFoundError`` when the file went meanwhile (the
-        split was read back, or released: ask the store again), and what
-        :func:`.spill.read_part` raises."""
+        split was read back, or released: ask the store again; a peer's file changed:
+        ask the peer), and what :func:`.spill.read_part` raises."""
         from . import spill
 
-        return self.head.with_rows(self.index, spill.read_part(self.path, self.offset, self.length))
+        return self.head.with_rows(self.index, spill.read_part(self.path, self.offset, self.length, self.expect))
 
 
 def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
@@ -548,7 +553,8 @@ class Sources:
     that cannot be mapped again (spilled, its owner gone) is asked of its holder."""
 
     def __init__(self, mine: dict[int, Any], mapped: dict[int, Any], remote: dict[str, dict[int, Any]],
-                 budget: int | None = None, kept: dict[int, tuple[Split, int]] | None = None) -> None:
+                 budget: int | None = None, kept: dict[int, tuple[Split, int]] | None = None,
+                 files: dict[int, tuple[Any, SplitHead, str, tuple[int, ...], list[Any]]] | None = None) -> None:
         # (the placement is not kept here: it holds this, and a cycle would keep the
         # mapped splits until the cyclic collector ran)
         self._mine = _ByOutput(mine)
@@ -559,6 +565,9 @@ class Sources:
         holder = next((h for h, outputs in remote.items() if 0 in outputs), None)
         self._no_rows: tuple[list[int], list[int], dict[str, list[int]]] = (
             [0] if 0 in mine else [], [0] if 0 in mapped else [], {holder: [0]} if holder is not None else {})
+        #: position -> (key, head, file, its identity, records) of a split that a peer
+        #: of this host spilled in parts: its records are read here, the peer not asked
+        self._files = dict(files or {})
         self._budget = budget
         #: position -> the split mapped, its size
         self._kept: dict[int, tuple[Split, int]] = {}
@@ -593,8 +602,8 @@ class Sources:
             if not loc.holders:
                 raise ShuffleError(f"no worker holds {loc.key!r} (input {pos} of the shuffle)")
             ask.setdefault(loc.holders[0], []).append(pos)
-        mine_outputs, remote = _on_loop(worker, _learn(worker, placement, mine, ask))
-        return cls(mine_outputs, mapped, remote, budget, kept)
+        mine_outputs, remote, files = _on_loop(worker, _learn(worker, placement, mine, ask))
+        return cls(mine_outputs, mapped, remote, budget, kept, files)
 
     def wanted(self, index: int) -> tuple[list[int], list[int], dict[str, list[int]]]:
         """The positions with rows for output ``index``: held here, mapped, and to
@@ -629,6 +638,39 @@ class Sources:
             self._keep(pos, value, loc.nbytes)
             out.append((pos, value))
         return out
+
+    def read_files(self, ask: dict[str, list[int]], index: int) -> list[tuple[int, Any]]:
+        """Of the positions to ask each holder in ``ask``, those whose splits a peer of
+        this host spilled: taken out of ``ask``, as parts to read from its files
+        (splits of no rows where they have none for output ``index``)."""
+        if not self._files:
+            return []
+        out: list[tuple[int, Any]] = []
+        with self._lock:
+            for holder in list(ask):
+                left = []
+                for pos in ask[holder]:
+                    entry = self._files.get(pos)
+                    if entry is None:
+                        left.append(pos)
+                        continue
+                    key, head, path, expect, records = entry
+                    part = head.part_of(index)
+                    if part is None:
+                        out.append((pos, head.with_rows(index, None)))
+                    else:
+                        offset, length = records[part]
+                        out.append((pos, _PartRead(key, head, index, path, offset, length, expect)))
+                if left:
+                    ask[holder] = left
+                else:
+                    del ask[holder]
+        return out
+
+    def forget_file(self, pos: int) -> None:
+        """The file of the split at ``pos`` failed to read here: its holder is asked."""
+        with self._lock:
+            self._files.pop(pos, None)
 
     def _keep(self, pos: int, value: Split, nbytes: int) -> None:
         with self._lock:
@@ -702,11 +744,22 @@ def bundles(worker: Any, placement: Placement, index: int) -> list[Bundle]:
     mine, mapped, ask = sources.wanted(index)
     ask = {holder: list(positions) for holder, positions in ask.items()}
     pieces: list[tuple[int, Any]] = list(sources.map(placement, mapped, ask))
+    pieces.extend(sources.read_files(ask, index))
     remote: list[Bundle] = []
     if mine or ask:
         local, remote = _on_loop(worker, _gather(worker, placement, index, mine, ask))
         pieces.extend(local)
-    return bundle(sorted(_resolve(worker, pieces, index), key=lambda p: p[0]), index) + remote
+    done, unread = _resolve(worker, pieces, index)
+    if unread:  # peers' files that could not be read here: their holders are asked
+        retry: dict[str, list[int]] = {}
+        for pos in unread:
+            sources.forget_file(pos)
+            holders = placement[pos].holders
+            if not holders:
+                raise ShuffleError(f"no worker holds {placement[pos].key!r} (input {pos} of the shuffle)")
+            retry.setdefault(holders[0], []).append(pos)
+        remote = remote + _on_loop(worker, _gather(worker, placement, index, [], retry))[1]
+    return bundle(sorted(done, key=lambda p: p[0]), index) + remote
 
 
 #: times a part of a spilled split is looked up again when its file went meanwhile
@@ -741,18 +794,26 @@ def _read(pieces: list[tuple[int, Any]]) -> tuple[list[tuple[int, Split]], list[
     return done, gone, failed
 
 
-def _resolve(worker: Any, pieces: list[tuple[int, Any]], index: int) -> list[tuple[int, Split]]:
-    """``pieces`` as splits, the parts of this worker's spilled splits read in this
-    (the task's) thread. A part whose file fails loses its split (the scheduler
-    hears it and makes it again) and gives the task back."""
+def _resolve(worker: Any, pieces: list[tuple[int, Any]], index: int) -> tuple[list[tuple[int, Split]], list[int]]:
+    """``pieces`` as splits, the parts of spilled splits read in this (the task's)
+    thread, and the positions of those read from a peer's file that could not be (it
+    went, changed or fails: its holder is to be asked, and finds out itself). A part
+    of this worker's own file that fails loses its split (the scheduler hears it and
+    makes it again) and gives the task back."""
+    unread: list[int] = []
     for _ in range(_TRIES):
         done, gone, failed = _read(pieces)
+        unread += [pos for pos, piece in gone if piece.expect is not None]
+        unread += [pos for pos, piece in pieces if isinstance(piece, _PartRead) and piece.expect is not None
+                   and any(p is piece for p, _ in failed)]
+        gone = [(pos, piece) for pos, piece in gone if piece.expect is None]
+        failed = [(piece, exc) for piece, exc in failed if piece.expect is None]
         if failed:
             _on_loop(worker, _lose(worker, failed))
             raise Reschedule(f"{len(failed)} split(s) of the shuffle were lost here (their spill files fail); "
                              "they are made again")
         if not gone:
-            return done
+            return done, unread
         pieces = done + _on_loop(worker, _look_again(worker, gone, index))
     raise ShuffleError(f"the spill files of {len(gone)} split(s) went {_TRIES} times while they were read")
 
@@ -842,16 +903,24 @@ def _piece(store: Any, key: Any, index: int) -> Split | _PartRead:
     return _PartRead(key, value, index, *store.part_record(key, part))
 
 
-async def _learn(worker: Any, placement: Placement, mine: list[int],
-                 ask: dict[str, list[int]]) -> tuple[dict[int, Any], dict[str, dict[int, Any]]]:
+async def _learn(worker: Any, placement: Placement, mine: list[int], ask: dict[str, list[int]]) -> Any:
+    """On the loop: the outputs of this worker's splits at ``mine``; those of the
+    splits each holder in ``ask`` has; and where the splits that holders of this host
+    spilled in parts lie (read here, not asked for)."""
     import numpy as np
 
     store = worker.store
     outputs = {pos: _head(store, key).outputs for pos, key in _held(worker, placement, mine)}
     remote: dict[str, dict[int, Any]] = {}
+    files: dict[int, tuple[Any, SplitHead, str, tuple[int, ...], list[Any]]] = {}
     for (holder, positions), (_, answer) in zip(ask.items(), await _ask_all(worker, placement, ask, "split-outputs")):
         remote[holder] = {pos: np.asarray(got, dtype=np.int64) for pos, got in zip(positions, answer["outputs"])}
-    return outputs, remote
+        if answer.get("same_host") and answer.get("files"):
+            for pos, entry in zip(positions, answer["files"]):
+                if entry is not None and isinstance(entry[0], SplitHead):
+                    head, path, expect, records = entry
+                    files[pos] = (placement[pos].key, head, str(path), tuple(expect), list(records))
+    return outputs, remote, files
 
 
 async def _gather(worker: Any, placement: Placement, index: int, mine: list[int],
@@ -884,7 +953,10 @@ async def _ask(worker: Any, holder: str, op: str, keys: list[Any], **fields: Any
     if not isinstance(response, dict) or response.get("status") != "OK":
         text = response.get("message") if isinstance(response, dict) else repr(response)
         raise ShuffleError(f"{holder} could not send its part of the shuffle: {text}")
-    return response["result"]
+    result: dict[str, Any] = response["result"]
+    # (a holder of this host: its spill files are this worker's to read too)
+    result["same_host"] = comm.peer_info.get("host") == host_identity()
+    return result
 
 
 def _splits(store: Any, keys: list[Any], op: str) -> list[tuple[int, Any]]:
@@ -923,8 +995,24 @@ async def serve_slices(worker: Any, keys: list[Any], index: int) -> tuple[list[i
     return [i for i, _ in pieces], bundle(pieces, index), lost
 
 
-def serve_outputs(store: Any, keys: list[Any]) -> tuple[list[int], list[list[int]]]:
+def serve_outputs(store: Any, keys: list[Any]) -> tuple[list[int], list[list[int]], list[Any]]:
     """``split-outputs``: which of ``keys`` this worker holds (their places in
-    ``keys``), and for each the output partitions its split has rows for."""
+    ``keys``), for each the output partitions its split has rows for, and for each
+    spilled in parts ``(head, file, its identity, records)`` (else ``None``): a
+    worker of this host reads the records itself."""
+    import os
+
+    from .spill import identity
+
     splits = _splits(store, keys, "split-outputs")
-    return [i for i, _ in splits], [_head(store, key).outputs.tolist() for _, key in splits]
+    files: list[Any] = []
+    for _, key in splits:
+        where = store.parts_file(key)
+        if where is not None:
+            head, path, records = where
+            try:
+                where = (head, path, identity(os.stat(path)), records)
+            except OSError:
+                where = None
+        files.append(where)
+    return [i for i, _ in splits], [_head(store, key).outputs.tolist() for _, key in splits], files

@@ -56,7 +56,7 @@ import xxhash
 from ..errors import CorruptedDataError, ShoalError
 
 __all__ = ["Unspillable", "CorruptSpillFile", "lz4_available", "dump_frames", "write_value", "read_value",
-           "write_parts", "read_part", "read_parts"]
+           "write_parts", "read_part", "read_parts", "identity"]
 
 MAGIC = b"SHOALSP2"
 _COUNT = struct.Struct("<I")
@@ -317,12 +317,23 @@ def read_value(path: str) -> Any:
         os.close(fd)
 
 
-def read_part(path: str, offset: int, length: int) -> Any:
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one file from another (a path may be reused by the next file):
+    its device, inode, modification time (ns) and size."""
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def read_part(path: str, offset: int, length: int, expect: tuple[int, ...] | None = None) -> Any:
     """The part in the record at ``offset`` (of ``length`` bytes) of a file written
-    by :func:`write_parts`, read alone; raises as :func:`read_value`."""
+    by :func:`write_parts`, read alone; raises as :func:`read_value`, and
+    ``FileNotFoundError`` when ``expect`` is given and the file at ``path`` is not the
+    one of that :func:`identity` (another process's file, replaced meanwhile)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if expect is not None and identity(st) != tuple(expect):
+            raise FileNotFoundError(f"{path} is no longer the spill file it was")
+        size = st.st_size
         if offset < 0 or length < 0 or offset + length > size:
             raise CorruptSpillFile(f"spill file {path} has {size:,} bytes, no record of {length:,} at {offset:,}",
                                    path=path)

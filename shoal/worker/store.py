@@ -233,6 +233,15 @@ class WorkerStore(MutableMapping[Key, Any]):
         offset, length = parts[1][number]
         return path, offset, length
 
+    def parts_file(self, key: Key) -> tuple[Any, str, list[tuple[int, int]]] | None:
+        """``(head, file, records)`` of ``key``'s value when it is spilled in parts
+        (another process of this host may read its records: :func:`.spill.read_part`
+        with the file's :func:`.spill.identity`), else ``None``."""
+        entry = self._slow.get(key) if key not in self._data else None
+        if entry is None or entry[3] is None:
+            return None
+        return entry[3][0], entry[0], entry[3][1]
+
     def lose(self, key: Key, path: str, cause: BaseException) -> spill.CorruptSpillFile:
         """The value of ``key`` is lost: reading its spill file ``path`` failed with
         ``cause`` (a part read in another thread). Its file and key go if they are still

@@ -144,8 +144,8 @@ def test_get_slices_serves_splits_only_and_leaves_out_what_it_lacks(store):
     assert len(got) and (got["_partitions"] == 2).all()
     with pytest.raises(ShuffleError, match="splits only"):
         _slices(worker, ["other"], 0)
-    held, outputs = serve_outputs(store, [("shoal-shuffle-split-abc", 0), ("shoal-shuffle-split-abc", 1)])
-    assert held == [0] and outputs == [[0, 1, 2, 3]]
+    held, outputs, files = serve_outputs(store, [("shoal-shuffle-split-abc", 0), ("shoal-shuffle-split-abc", 1)])
+    assert held == [0] and outputs == [[0, 1, 2, 3]] and files == [None]
     with pytest.raises(ShuffleError, match="splits only"):
         serve_outputs(store, ["other"])
 
@@ -171,8 +171,11 @@ def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(stor
 
     read = []
     real = spill_module.read_part
-    monkeypatch.setattr(spill_module, "read_part", lambda path, offset, length: read.append(length) or real(
-        path, offset, length))
+    def counted(path, offset, length, expect=None):
+        read.append(length)
+        return real(path, offset, length, expect)
+
+    monkeypatch.setattr(spill_module, "read_part", counted)
     worker = _Worker(store)
     for j in range(outputs):
         read.clear()
@@ -185,7 +188,8 @@ def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(stor
         if outputs > 1:
             assert all(n < store._slow[keys[0]][1] for n in read)
     assert store.is_spilled(keys[0])  # (served, and left on disk)
-    held, outputs_of = serve_outputs(store, keys)
+    held, outputs_of, files = serve_outputs(store, keys)
+    assert [f is not None for f in files] == [True, True, False]
     assert outputs_of == [sorted(set(df["_partitions"])) for df in frames]
     whole = store[keys[0]]  # read back whole
     assert isinstance(whole, Split) and not store.is_spilled(keys[0])
@@ -258,7 +262,8 @@ def test_an_assembly_that_reads_a_flipped_bit_in_its_own_spilled_split_gives_its
     thread = threading.Thread(target=worker.loop.run_forever, daemon=True)
     thread.start()
     try:
-        assert len(_resolve(worker, [(0, _piece(store, key, 0))], 0)[0][1].arrays[0]) > 0  # another part: fine
+        done, unread = _resolve(worker, [(0, _piece(store, key, 0))], 0)
+        assert len(done[0][1].arrays[0]) > 0 and unread == []  # another part: fine
         with pytest.raises(Reschedule, match="lost here"):
             _resolve(worker, [(0, _piece(store, key, 1))], 1)
     finally:
@@ -266,6 +271,41 @@ def test_an_assembly_that_reads_a_flipped_bit_in_its_own_spilled_split_gives_its
         thread.join()
         worker.loop.close()
     assert worker.lost == [key] and key not in store and not os.path.exists(path)
+
+
+def test_a_peer_of_this_host_reads_a_spilled_split_from_its_file_and_asks_when_the_file_is_not_that_one(store):
+    """split-outputs names the file of a split spilled in parts; an assembly of this
+    host reads its record there (the holder not asked). A file that went, changed or
+    fails is not read: the holder is asked (and finds out itself), nothing is lost here."""
+    from shoal.worker.shuffle import _resolve
+
+    key = _keys(1)[0]
+    df = frame(3000, 4)
+    store[key] = split(df, "_partitions", 4)
+    store._spill(key)
+    _, outputs, files = serve_outputs(store, [key])
+    head, path, expect, records = files[0]
+    sources = Sources({}, {}, {"w0": {0: np.asarray(outputs[0])}}, None, {}, {0: (key, head, path, expect, records)})
+    worker = _Worker(store)
+    ask = {"w0": [0]}
+    pieces = sources.read_files(ask, 2)
+    assert ask == {} and len(pieces) == 1
+    done, unread = _resolve(worker, pieces, 2)
+    assert unread == []
+    pd.testing.assert_frame_equal(join(bundle(done, 2), None, False), df[df["_partitions"] == 2])
+    changed = (*expect[:2], expect[2] + 1, expect[3])
+    other = Sources({}, {}, {}, None, {}, {0: (key, head, path, changed, records)})
+    ask = {"w0": [0]}
+    assert _resolve(worker, other.read_files(ask, 2), 2) == ([], [0])
+    offset, length = records[1]
+    with open(path, "r+b") as f:
+        f.seek(offset + length - 3)
+        byte = f.read(1)
+        f.seek(offset + length - 3)
+        f.write(bytes([byte[0] ^ 0x02]))
+    ask = {"w0": [0]}
+    assert _resolve(worker, sources.read_files(ask, 1), 1)[1] == [0]
+    assert worker.lost == [] and store.is_spilled(key)  # (the holder's to find out)
 
 
 def test_a_split_spilled_and_read_back_meanwhile_is_served_from_memory(store, monkeypatch):
@@ -277,9 +317,9 @@ def test_a_split_spilled_and_read_back_meanwhile_is_served_from_memory(store, mo
     store._spill(key)
     real = spill_module.read_part
 
-    def meanwhile(path, offset, length):
+    def meanwhile(path, offset, length, expect=None):
         store[key]  # read back: its file goes
-        return real(path, offset, length)
+        return real(path, offset, length, expect)
 
     monkeypatch.setattr(spill_module, "read_part", meanwhile)
     held, rows, lost = _slices(_Worker(store), [key], 1)
