@@ -61,6 +61,14 @@ class ChaosReport:
     def total(self) -> int:
         return sum(self.graphs.values())
 
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the graphs that came back wrong or hung, or
+        erred where the kills do not explain it (a task on ``allowed_failures`` dead
+        workers, a scattered value whose holder died, do)."""
+        for name, lines in (("wrong", self.wrong), ("hung", self.hangs), ("erred unexplained", self.unexplained)):
+            if lines:
+                raise AssertionError(f"{len(lines)} graph(s) {name}: {self.summary()}\n" + "\n".join(lines))
+
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.graphs.items()))
         return (f"{self.total} graphs ({kinds}) in {self.seconds:.0f} s, {self.kills} kills: "

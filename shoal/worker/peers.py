@@ -22,7 +22,7 @@ from ..errors import CommBrokenError, CorruptedDataError, SerializationError, de
 from ..protocol import REMOTE, sizeof, to_serialize
 from ..protocol.sizes import managed_sizeof
 from ..rpc import ConnectionPool, fetch_deadline
-from . import shuffle
+from . import shuffle_sources
 from .diagnostics import Traffic
 from .monitor import MemoryMonitor
 from .outcomes import MAX_RETRY_DELAY, UNSENDABLE, exception_for, fetch_error, may_pass
@@ -260,16 +260,16 @@ class PeerData:
 
     async def get_slices(self, comm: Comm, keys: list[Any], index: int) -> dict[str, Any]:
         """``get-slices``: the rows of output partition ``index`` of the splits of
-        shoal's shuffle among ``keys`` that this worker holds (:mod:`.shuffle`)."""
-        held, rows, lost = await shuffle.serve_slices(self, keys, index)
+        shoal's shuffle among ``keys`` that this worker holds (:mod:`.shuffle_sources`)."""
+        held, rows, lost = await shuffle_sources.serve_slices(self, keys, index)
         size = sum(map(sizeof, rows))
         self.traffic.served(comm.destination, {"rows": size}, {})
         return {"held": held, "rows": to_serialize(rows, size), "lost": lost}
 
     def split_outputs(self, comm: Comm, keys: list[Any]) -> dict[str, Any]:
         """``split-outputs``: for each split of shoal's shuffle among ``keys`` that
-        this worker holds, the output partitions it has rows for (:mod:`.shuffle`)."""
-        held, outputs, files = shuffle.serve_outputs(self.store, keys)
+        this worker holds, the output partitions it has rows for (:mod:`.shuffle_sources`)."""
+        held, outputs, files = shuffle_sources.serve_outputs(self.store, keys)
         if any(f is not None for f in files):
             return {"held": held, "outputs": outputs, "files": to_serialize(files)}
         return {"held": held, "outputs": outputs}

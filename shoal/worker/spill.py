@@ -82,6 +82,10 @@ _THREAD_HASH = 4 * CHUNK
 _MAX_BLOCK = CHUNK + CHUNK // 255 + 16
 
 
+#: errors reading a spill file that may pass (the file is not at fault)
+MAY_PASS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
 class Unspillable(ShoalError):
     """The value cannot be written to disk: neither pickle nor cloudpickle takes it."""
 

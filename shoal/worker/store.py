@@ -24,8 +24,8 @@ Without a target nothing spills and the hot path is a dict plus one size per val
 A value that is read a part at a time (a shuffle's split: each output partition wants
 its own rows of it) spills in parts: its class's ``__shoal_spill_parts__()`` gives a
 *head*, small and kept in memory, and the parts, written one record each
-(:func:`.spill.write_parts`). :meth:`~WorkerStore.peek_head` then gives the head,
-:meth:`~WorkerStore.part_record` where one part lies, and any thread reads that part
+(:func:`.spill.write_parts`). :meth:`~WorkerStore.parts_file` then gives the head and where each part lies, and
+any thread reads one part
 alone (:func:`.spill.read_part`): a value on disk is served a part at a time, never
 read back whole for one part. Read back whole, it is the head's
 ``__shoal_join_parts__(parts)``.
@@ -55,7 +55,6 @@ All calls happen on the worker's event loop thread.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
 import os
@@ -88,8 +87,6 @@ MANAGED, SHM_OWNED, MAPPED = 0, 1, 2
 _KEEP = (ActorRef,)
 #: least recently used values looked at for one that nothing else holds
 SCAN = 32
-#: errors reading a spill file back that may pass (the file is not at fault)
-_MAY_PASS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 class WorkerStore(MutableMapping[Key, Any]):
@@ -211,32 +208,12 @@ class WorkerStore(MutableMapping[Key, Any]):
         meta = self._meta.get(key)
         return meta[1] if meta is not None else self._slow[key][2]
 
-    def peek_head(self, key: Key) -> Any:
-        """As :meth:`peek`, except that of a value spilled in parts only its head is
-        given (what its ``__shoal_spill_parts__`` kept in memory; see the module): its
-        parts are read one at a time with :meth:`part_record` and
-        :func:`.spill.read_part`."""
-        entry = self._slow.get(key) if key not in self._data else None
-        if entry is not None and entry[3] is not None:
-            return entry[3][0]
-        return self.peek(key)
-
-    def part_record(self, key: Key, number: int) -> tuple[str, int, int]:
-        """Where part ``number`` of ``key``'s value, spilled in parts, is: its file,
-        and the offset and length of its record there (read it with
-        :func:`.spill.read_part`, in any thread; a file gone meanwhile means the value
-        was read back or released: ask again). Raises ``KeyError`` if the value is not
-        spilled in parts, ``IndexError`` for a part it does not have."""
-        path, _, _, parts = self._slow[key]
-        if parts is None:
-            raise KeyError(key)
-        offset, length = parts[1][number]
-        return path, offset, length
-
     def parts_file(self, key: Key) -> tuple[Any, str, list[tuple[int, int]]] | None:
-        """``(head, file, records)`` of ``key``'s value when it is spilled in parts
-        (another process of this host may read its records: :func:`.spill.read_part`
-        with the file's :func:`.spill.identity`), else ``None``."""
+        """``(head, file, records)`` of ``key``'s value when it is spilled in parts,
+        else ``None``: the head (what its ``__shoal_spill_parts__`` kept in memory),
+        and each part's ``(offset, length)`` in the file, which any thread, or another
+        process of this host, reads alone (:func:`.spill.read_part`; a file gone
+        meanwhile means the value was read back or released: ask again)."""
         entry = self._slow.get(key) if key not in self._data else None
         if entry is None or entry[3] is None:
             return None
@@ -244,9 +221,9 @@ class WorkerStore(MutableMapping[Key, Any]):
 
     def lose(self, key: Key, path: str, cause: BaseException) -> spill.CorruptSpillFile:
         """The value of ``key`` is lost: reading its spill file ``path`` failed with
-        ``cause`` (a part read in another thread). Its file and key go if they are still
-        that file's; returns the error to raise or report (the caller tells the
-        scheduler, which computes the value again)."""
+        ``cause`` (here, or a part read in another thread). Its file and key go if they
+        are still that file's; returns the error to raise or report (the caller tells
+        the scheduler, which computes the value again)."""
         entry = self._slow.get(key)
         if entry is not None and entry[0] == path:
             del self._slow[key]
@@ -451,15 +428,12 @@ class WorkerStore(MutableMapping[Key, Any]):
         except MemoryError:
             raise
         except OSError as exc:
-            if exc.errno in _MAY_PASS:
+            if exc.errno in spill.MAY_PASS:
                 raise
             cause: Exception = exc
         except Exception as exc:  # noqa: BLE001 - a corrupt file, or a value whose unpickling raises
             cause = exc
-        del self._slow[key]
-        self._remove_file(path, written, was, parts)
-        raise spill.CorruptSpillFile(f"the value of {short_repr(key)} is lost: its spill file {path} cannot be read "
-                                     f"back ({describe(cause)})", key=key, path=path) from cause
+        raise self.lose(key, path, cause) from cause
 
     def _check_segment(self, key: Key) -> None:
         """Check the segment of ``key``'s value against the checksum its placing wrote

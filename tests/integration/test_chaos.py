@@ -18,11 +18,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _check(report: shoal.chaos.ChaosReport) -> None:
-    assert not report.wrong, report.summary() + "\n" + "\n".join(report.wrong)
-    assert not report.hangs, report.summary() + "\n" + "\n".join(report.hangs)
-    # errors the kills explain only (a task on allowed_failures dead workers, a
-    # scattered value whose holder died)
-    assert not report.unexplained, "\n".join(report.unexplained)
+    report.check()
 
 
 def test_every_kind_of_graph_is_right_without_faults():

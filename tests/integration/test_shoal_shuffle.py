@@ -183,7 +183,5 @@ def test_shuffles_stay_right_while_workers_are_killed():
             report = run_chaos(client, kill_a_worker(client, random.Random(9)), graphs=10, seed=9,
                                kill_every=(0.5, 2.0), deadline=60,
                                kinds=["groupby_split", "shuffle", "merge", "set_index"])
-    assert not report.wrong, report.summary() + "\n" + "\n".join(report.wrong)
-    assert not report.hangs, report.summary() + "\n" + "\n".join(report.hangs)
-    assert not report.unexplained, "\n".join(report.unexplained)
+    report.check()
     assert report.total == 10 and report.kills >= 1, report.summary()

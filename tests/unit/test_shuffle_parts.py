@@ -14,23 +14,13 @@ import weakref
 import numpy as np
 import pandas as pd
 import pytest
+from test_spill import flip_bit
 from worker_harness import Wk, executes, gathers
 
 from shoal.errors import ShuffleError
 from shoal.worker import spill as spill_module
-from shoal.worker.shuffle import (
-    Location,
-    Placement,
-    Sources,
-    Split,
-    SplitHead,
-    bundle,
-    join,
-    locate,
-    serve_outputs,
-    serve_slices,
-    split,
-)
+from shoal.worker.shuffle import Location, Placement, Split, SplitHead, bundle, join, locate, split
+from shoal.worker.shuffle_sources import Sources, serve_outputs, serve_slices
 from shoal.worker.store import WorkerStore
 from shoal.worker.state import ComputeTaskEvent
 
@@ -167,7 +157,7 @@ def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(stor
     for key in keys[:2]:
         store._spill(key)
     assert store.is_spilled(keys[0]) and not store.is_spilled(keys[2])
-    assert isinstance(store.peek_head(keys[0]), SplitHead)
+    assert isinstance(store.parts_file(keys[0])[0], SplitHead)
 
     read = []
     real = spill_module.read_part
@@ -223,11 +213,7 @@ def test_a_flipped_bit_in_a_spilled_split_loses_it_and_never_serves_its_rows(sto
         store._spill(key)
     path, _, _, (head, records) = store._slow[keys[0]]
     offset, length = records[2]
-    with open(path, "r+b") as f:  # one bit, near the end of the record of output 2
-        f.seek(offset + length - 9)
-        byte = f.read(1)
-        f.seek(offset + length - 9)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_bit(path, offset + length - 9)  # one bit, near the end of that record
     worker = _Worker(store)
     held, rows, lost = _slices(worker, keys, 1)  # another record of the same file: fine
     assert held == [0, 1] and lost == []
@@ -245,18 +231,14 @@ def test_an_assembly_that_reads_a_flipped_bit_in_its_own_spilled_split_gives_its
     import threading
 
     from shoal.errors import Reschedule
-    from shoal.worker.shuffle import _piece, _resolve
+    from shoal.worker.shuffle_sources import _piece, _resolve
 
     key = _keys(1)[0]
     store[key] = split(frame(2000, 3), "_partitions", 3)
     store._spill(key)
     path, _, _, (_, records) = store._slow[key]
     offset, length = records[1]
-    with open(path, "r+b") as f:
-        f.seek(offset + length - 5)
-        byte = f.read(1)
-        f.seek(offset + length - 5)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_bit(path, offset + length - 5)  # one bit, near the end of that record
     worker = _Worker(store)
     worker.loop = asyncio.new_event_loop()
     thread = threading.Thread(target=worker.loop.run_forever, daemon=True)
@@ -277,7 +259,7 @@ def test_a_peer_of_this_host_reads_a_spilled_split_from_its_file_and_asks_when_t
     """split-outputs names the file of a split spilled in parts; an assembly of this
     host reads its record there (the holder not asked). A file that went, changed or
     fails is not read: the holder is asked (and finds out itself), nothing is lost here."""
-    from shoal.worker.shuffle import _resolve
+    from shoal.worker.shuffle_sources import _resolve
 
     key = _keys(1)[0]
     df = frame(3000, 4)
@@ -298,11 +280,7 @@ def test_a_peer_of_this_host_reads_a_spilled_split_from_its_file_and_asks_when_t
     ask = {"w0": [0]}
     assert _resolve(worker, other.read_files(ask, 2), 2) == ([], [0])
     offset, length = records[1]
-    with open(path, "r+b") as f:
-        f.seek(offset + length - 3)
-        byte = f.read(1)
-        f.seek(offset + length - 3)
-        f.write(bytes([byte[0] ^ 0x02]))
+    flip_bit(path, offset + length - 3)  # one bit, near the end of that record
     ask = {"w0": [0]}
     assert _resolve(worker, sources.read_files(ask, 1), 1)[1] == [0]
     assert worker.lost == [] and store.is_spilled(key)  # (the holder's to find out)
