@@ -106,7 +106,8 @@ _DEFAULTS: dict[str, Any] = {
     # a worker keeps the memory of released results for reuse; what no value reused for
     # this many seconds goes back to the system (0: kept until the worker closes)
     "shm-pool-idle": 30.0,
-    # ... and at most this many bytes of it (nor more than an eighth of its memory limit)
+    # ... and at most this many bytes of it (nor more than an eighth of its memory limit;
+    # a value no pooled segment fits takes as many bytes out of the pool)
     "shm-pool-bytes": 256 << 20,
     # tasks a worker hands its thread pool beyond one per thread (their inputs all
     # here), so a thread goes from one task to the next without the event loop

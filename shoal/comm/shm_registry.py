@@ -308,7 +308,8 @@ class SegmentRegistry:
         maps, renamed to a new name, created again: ``(name, fd, size, writer)``, its
         descriptor open for writing and locked exclusively, ``writer`` the owner's
         mapping of it (``None`` only when not ``mapped``: then it may have none).
-        ``None`` when no pooled segment fits or every fitting one is mapped."""
+        ``None`` when no pooled segment fits or every fitting one is mapped: the caller
+        then takes ``need`` bytes elsewhere, and as many pooled bytes go first."""
         if not self._pool:  # nothing pooled (no lock: a hint, as most calls find it)
             return None
         with self._lock:
@@ -325,6 +326,9 @@ class SegmentRegistry:
         if tried:
             with self._lock:
                 self._pool.update(tried)
+        if got is None:
+            # the caller makes ``need`` bytes elsewhere (a new segment, private memory)
+            self._make_room(need)
         return got
 
     def _take(self, old: str, entry: tuple[int, float], mapped: bool) -> Reused | None:
@@ -409,6 +413,24 @@ class SegmentRegistry:
         returns how many went."""
         now = self.clock()
         return self._unlink_pooled(lambda at: now - at >= max_idle)
+
+    def _make_room(self, size: int) -> int:
+        """``size`` bytes are about to be taken elsewhere because no pooled segment
+        fits: unlink pooled segments, the longest retired first, until ``size`` bytes of
+        them went (or the pool is empty), so that the pool never makes the process
+        larger than the most it held. Returns the bytes unlinked."""
+        with self._lock:
+            names, freed = [], 0
+            for name, (bytes_, _) in sorted(self._pool.items(), key=lambda item: item[1][1]):
+                if freed >= size:
+                    break
+                names.append(name)
+                freed += bytes_
+            for name in names:
+                self._pool_bytes -= self._pool.pop(name)[0]
+        for name in names:
+            self.unlink(name)
+        return freed
 
     def _unlink_pooled(self, which: Callable[[float], bool]) -> int:
         with self._lock:

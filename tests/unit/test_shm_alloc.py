@@ -270,4 +270,4 @@ def test_no_pooled_segment_that_fits_means_no_landing():
     assert shm_born.land(2 * MB) is None  # an empty pool
     pooled_segment(2 * MB)
     assert shm_born.land(64 * MB) is None  # too small for the frame
-    assert len(shm.registry.pooled()) == 1
+    assert not shm.registry.pooled()  # the frame takes its memory elsewhere: the pool gave up as much

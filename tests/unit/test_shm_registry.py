@@ -95,19 +95,24 @@ def test_create_publish_retire_reuse(reg: SegmentRegistry) -> None:
 
 def test_reuse_takes_only_a_fitting_segment_nobody_maps(reg: SegmentRegistry) -> None:
     big = 4 << 20
+    for wrong in (big + 1, big // 4):  # too small; far too large for what is asked
+        name = pooled(reg, big)
+        assert reg.reuse(wrong) is None
+        assert not reg.pooled() and not exists(name)  # its room went with the miss
+        reg.validate()
     name = pooled(reg, big)
-    assert reg.reuse(big + 1) is None  # too small
-    assert reg.reuse(big // 4) is None  # far too large for what is asked
     fd, _ = shm_files.open_segment(name, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # a reader maps it
     try:
-        assert reg.reuse(big) is None
-        assert reg.pooled() == [(big, name)]  # kept for later
+        assert reg.reuse(big) is None  # not taken from under its reader...
+        assert not reg.pooled() and not exists(name)  # ...and its name went with the miss
+        assert os.pread(fd, 8, 0) == shm_files.segment_header("0" * 16)[:8]  # the reader still reads it
         reg.validate()
     finally:
         os.close(fd)
+    name = pooled(reg, big)
     got = reg.reuse(big // 2)
-    assert got is not None
+    assert got is not None and got[2] == big and not reg.pooled()
     os.close(got[1])
     reg.unlink(got[0])
 
@@ -178,6 +183,33 @@ def test_trim_pool_unlinks_what_waited_too_long(reg: SegmentRegistry) -> None:
     reg.drain_pool()
     assert not reg.pooled() and not reg.owned()
     reg.validate()
+
+
+def test_a_miss_takes_its_room_out_of_the_pool_oldest_first(reg: SegmentRegistry) -> None:
+    """What the pool holds and fits no request goes as new memory is taken elsewhere:
+    the pool never makes the process larger than the most it held."""
+    now = [0.0]
+    reg.clock = lambda: now[0]
+    names = []
+    for at in (0.0, 1.0, 2.0):
+        now[0] = at
+        reg.retire(published(reg), SIZE)
+        names.append(reg.pooled()[-1][1])
+    oldest, middle, newest = names
+    # a miss of more than one segment but less than two: the two oldest go
+    assert reg.reuse(SIZE * 3 // 2) is None
+    assert reg.state(oldest) is None and not exists(oldest)
+    assert reg.state(middle) is None and not exists(middle)
+    assert [name for _, name in reg.pooled()] == [newest]
+    reg.validate()
+    # a hit takes nothing more out of the pool than the segment it reuses
+    got = reg.reuse(SIZE // 2)
+    assert got is not None
+    name, fd, size, writer = got
+    os.close(fd)
+    assert size == SIZE and not reg.pooled()
+    reg.validate()
+    assert reg.reuse(SIZE) is None  # an empty pool: nothing to give back
 
 
 @pytest.mark.parametrize("state", [PUBLISHED, LEASED, POOLED, None])
