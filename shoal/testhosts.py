@@ -41,10 +41,11 @@ from typing import Any
 
 from .netdelay import check_delay
 
-__all__ = ["Host", "TestHosts", "available"]
+__all__ = ["Host", "TestHosts", "available", "traffic_of"]
 
 _RUN = itertools.count()
 _NFT_TABLE = "shoal_faults"
+_NFT_COUNTS = "shoal_counts"
 _DELAY_QUEUE = "1"  # the NFQUEUE number of a host's delay (queues are per namespace)
 
 
@@ -106,6 +107,31 @@ class Host:
     def shm_files(self) -> list[str]:
         """The names in this host's /dev/shm now."""
         return sorted(os.listdir(self.shm_dir))
+
+    # -- what crosses this host's link
+
+    def count_traffic(self, peer: str) -> None:
+        """Count the bytes this host sends to and receives from the address ``peer``
+        (IP packets, headers included) from now on, read with :meth:`traffic`; counting
+        again starts from zero. Needs nft (Debian's nftables)."""
+        if shutil.which("nft") is None:
+            raise OSError("counting traffic between test hosts needs nft (Debian's nftables)")
+        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "delete", "table", "ip", _NFT_COUNTS],
+                       capture_output=True, timeout=30)
+        script = (f"table ip {_NFT_COUNTS} {{\n"
+                  f"  chain output {{ type filter hook output priority -10; policy accept;\n"
+                  f"    ip daddr {peer} counter\n  }}\n"
+                  f"  chain input {{ type filter hook input priority -10; policy accept;\n"
+                  f"    ip saddr {peer} counter\n  }}\n"
+                  "}\n")
+        done = subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=script,
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise OSError(f"nft on {self.name}: {done.stderr.strip()}")
+
+    def traffic(self) -> tuple[int, int]:
+        """``(sent, received)``: the bytes counted since :meth:`count_traffic`."""
+        return traffic_of(self.netns)
 
     # -- faults of this host's link
 
@@ -187,6 +213,27 @@ class Host:
                               capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             raise OSError(f"nft on {self.name}: {done.stderr.strip()}")
+
+
+def traffic_of(netns: str) -> tuple[int, int]:
+    """``(sent, received)`` bytes counted in the network namespace ``netns`` by
+    :meth:`Host.count_traffic` (a function of its own: a process that knows only the
+    namespace's name, such as a benchmark's client on another host, reads it too)."""
+    import json
+
+    done = subprocess.run(["ip", "netns", "exec", netns, "nft", "-j", "list", "table", "ip", _NFT_COUNTS],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise OSError(f"no traffic counted in {netns}: {done.stderr.strip()}")
+    by_chain: dict[str, int] = {}
+    for item in json.loads(done.stdout)["nftables"]:
+        rule = item.get("rule")
+        if rule is None:
+            continue
+        for expr in rule["expr"]:
+            if "counter" in expr:
+                by_chain[rule["chain"]] = by_chain.get(rule["chain"], 0) + int(expr["counter"]["bytes"])
+    return by_chain.get("output", 0), by_chain.get("input", 0)
 
 
 def _kill_namespace(netns: str) -> None:

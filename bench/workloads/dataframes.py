@@ -125,7 +125,7 @@ def _expected(rows: int, partitions: int, ops: str = ",".join(OPS)) -> dict[str,
     return out
 
 
-def _lines(op: str, left: Any, right: Any, method: str | None) -> Any:
+def _lines(op: str, left: Any, right: Any, method: str | None, summary: Any = summarize) -> Any:
     kw = {"shuffle_method": method} if method else {}
     if op == "shuffle":
         out, column = left.shuffle("k", **kw), "k"
@@ -138,8 +138,8 @@ def _lines(op: str, left: Any, right: Any, method: str | None) -> Any:
         column = "k"
     else:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
-    meta = summarize(left._meta.set_index("k") if column is None else left._meta, column)
-    return out.map_partitions(summarize, column, meta=meta)
+    meta = summary(left._meta.set_index("k") if column is None else left._meta, column)
+    return out.map_partitions(summary, column, meta=meta)
 
 
 def _check(op: str, lines: Any, want: dict[str, float]) -> None:

@@ -9,6 +9,15 @@ several machines. Values between hosts go over tcp through a veth pair and a bri
   system's bandwidth over the socket's; the issue's target for shoal is 0.9).
 - ``hosts_tiny_tasks``: 10,000 ``inc(i)`` on 2 workers x 1 thread on each worker host.
 - ``hosts_tree_reduce``: the binary-tree sum of ``tree_reduce`` (4,096 leaves) on the same.
+- ``hosts_df_shuffle``: ``df_shuffle``'s four operations (shuffle, merge, set_index,
+  groupby with split_out) on 2 workers x 1 thread on each of two hosts, and on 4
+  workers of one host (``_1x4``, the issue's reference), every result checked against
+  pandas; ``_cross_mb``: the bytes between the two worker hosts during the operation
+  (nftables counters in host 1's namespace, IP headers included), and for shuffle and
+  set_index, whose output rows are the input rows, ``_must_mb``: the bytes of the rows
+  whose output partition is on another host than the one they were made on (each row
+  carries the identity of the namespace it was made in; an output partition's bytes
+  per row as pandas counts them) and ``_cross_vs_must``, their ratio.
 
 Each takes ``delay_ms`` and ``loss`` (default 0): every packet that comes in to a worker
 host waits ``delay_ms`` (:meth:`shoal.testhosts.Host.delay`), and ``loss`` % of the
@@ -69,15 +78,98 @@ hosts_tree_reduce = Workload(
     timeout=600,
 )
 
+hosts_df_shuffle = Workload(
+    "hosts_df_shuffle",
+    "df_shuffle's operations (8M rows in 32 partitions: shuffle('k'), merge with a frame a "
+    "quarter the size, set_index('k'), groupby('k').sum(split_out=8)) on 2 workers x 1 thread "
+    "on each of two test hosts and on 4 workers of one (`_1x4`): seconds (one untimed round "
+    "first), bytes between the worker hosts (`_cross_mb`), and for shuffle and set_index the "
+    "bytes whose rows must cross (`_must_mb`, `_cross_vs_must`); every result checked "
+    "against pandas. shoal: its own shuffle; dask: P2P and tasks",
+    metrics={f"{op}_{m}{tail}": unit for op in ("shuffle", "merge", "set_index", "groupby")
+             for m in ("shoal", "p2p", "tasks")
+             for tail, unit in (("", "s"), ("_1x4", "s"), ("_vs_1x4", "x ref"), ("_cross_mb", "MB"),
+                                ("_must_mb", "MB"), ("_cross_vs_must", "x ref"))},
+    params={"rows": 8_000_000, "partitions": 32, "ops": "shuffle,merge,set_index,groupby", "methods": ""},
+    quick={"rows": 200_000, "partitions": 8, "ops": "shuffle,set_index"},
+    timeout=2400,
+)
+
 _PORT = {"shoal": 8686, "dask": 8786}
+_DF_METHODS = {"shoal": {"shoal": "shoal"}, "dask": {"p2p": "p2p", "tasks": "tasks"}}
+
+
+def _namespace() -> int:
+    """The identity of the network namespace (test host) this process runs in."""
+    return os.stat("/proc/self/ns/net").st_ino
+
+
+def make_part_here(i: int, rows: int, keys: int, seed: int) -> Any:
+    """``df_shuffle``'s partition ``i``, each row marked with the test host it was made
+    on (column ``h``)."""
+    from .dataframes import make_part
+
+    part = make_part(i, rows, keys, seed)
+    part["h"] = _namespace()
+    return part
+
+
+def summarize_here(part: Any, column: str | None = None) -> Any:
+    """``df_shuffle``'s line of an output partition, with its bytes (pandas' count, index
+    included) and how many of its rows were made on the host it is on."""
+    from .dataframes import summarize
+
+    line = summarize(part, column)
+    line["bytes"] = int(part.memory_usage(index=True, deep=True).sum())
+    line["here"] = int((part["h"] == _namespace()).sum()) if "h" in part else -1
+    return line
+
+
+def _df_measure(c: Any, system: str, args: dict[str, Any]) -> dict[str, Any]:
+    import dask.dataframe as dd
+
+    from shoal.testhosts import traffic_of
+
+    from .dataframes import _check, _expected, _lines
+
+    rows, partitions, ops = args["rows"], args["partitions"], args["ops"]
+    per, keys = rows // partitions, max(1, rows // 4)
+    left = dd.from_map(make_part_here, range(partitions), rows=per, keys=keys, seed=1)
+    right = dd.from_map(make_part_here, range(max(1, partitions // 4)), rows=per, keys=keys, seed=2)
+    right = right.rename(columns={"g": "g2", "v": "w", "h": "h2"})
+    want = _expected(rows, partitions, ops)
+    wanted = [m for m in args["methods"].split(",") if m]
+    methods = {n: m for n, m in _DF_METHODS[system].items() if not wanted or n in wanted}
+    counted = args.get("count_in")
+    out: dict[str, Any] = {}
+    for op in ops.split(","):
+        for name, method in methods.items():
+            for _ in range(2):  # the first round untimed
+                before = traffic_of(counted) if counted else (0, 0)
+                t0 = _perf()
+                lines = c.compute(_lines(op, left, right, method, summarize_here)).result()
+                dt = _perf() - t0
+                after = traffic_of(counted) if counted else (0, 0)
+                _check(op, lines, want[op])
+            out[f"{op}_{name}"] = dt
+            if counted:
+                out[f"{op}_{name}_cross_mb"] = (sum(after) - sum(before)) / 1e6
+                if op in ("shuffle", "set_index"):
+                    full = lines[lines["rows"] > 0]
+                    must = float((full["bytes"] * (full["rows"] - full["here"]) / full["rows"]).sum())
+                    out[f"{op}_{name}_must_mb"] = must / 1e6
+                    out[f"{op}_{name}_cross_vs_must"] = out[f"{op}_{name}_cross_mb"] / max(out[f"{op}_{name}_must_mb"], 1e-9)
+    return out
 
 # ------------------------------------------------------------------ on the client host
 
 
 def _measure(c: Any, lib: Any, system: str, by_host: dict[str, list[str]], args: dict[str, Any]) -> dict[str, Any]:
     kind = args["kind"]
-    h1, h2 = args["ips"][1], args["ips"][2]
     c.submit(inc, 0, pure=False).result()  # warm: connections, function caches
+    if kind == "df":
+        return _df_measure(c, system, args)
+    h1, h2 = args["ips"][1], args["ips"][2]
     if kind == "transfer":
         nbytes = args["mb"] << 20
         producer, consumer = by_host[h1][0], by_host[h2][0]
@@ -204,7 +296,7 @@ def _plain_socket(hosts: Any, nbytes: int, rounds: int) -> float:
 
 
 def _on_hosts(system: str, kind: str, per_host: int, delay_ms: float = 0, loss: float = 0,
-              **params: Any) -> dict[str, Any]:
+              worker_hosts: int = 2, **params: Any) -> dict[str, Any]:
     from shoal.testhosts import TestHosts, available
 
     why = available()
@@ -219,7 +311,7 @@ def _on_hosts(system: str, kind: str, per_host: int, delay_ms: float = 0, loss: 
            "SHOAL_AUTH_FILE": secret, "SHOAL_AUTH_DIR": os.path.join(base, "auth"), "HOME": base,
            "OMP_NUM_THREADS": "1"}
     try:
-        with TestHosts(3, shm_size="2g") as hosts:
+        with TestHosts(1 + worker_hosts, shm_size="2g") as hosts:
             h0 = hosts[0]
             address = f"tcp://{h0.ip}:{_PORT[system]}"
             if system == "shoal":
@@ -241,10 +333,13 @@ def _on_hosts(system: str, kind: str, per_host: int, delay_ms: float = 0, loss: 
                     h.delay(delay_ms)
                 if loss:
                     h.lose(loss)
-            args = {"system": system, "address": address, "kind": kind, "n_workers": 2 * per_host,
+            args = {"system": system, "address": address, "kind": kind, "n_workers": worker_hosts * per_host,
                     "ips": [h.ip for h in hosts], **params}
+            if worker_hosts == 2:  # the bytes between the worker hosts, read by the client
+                hosts[1].count_traffic(hosts[2].ip)
+                args["count_in"] = hosts[1].netns
             done = h0.run([sys.executable, "-c", "from bench.workloads.hosts import client_main; client_main()",
-                           json.dumps(args)], timeout=500, env=env, cwd=_ROOT)
+                           json.dumps(args)], timeout=2000 if kind == "df" else 500, env=env, cwd=_ROOT)
             out = _result(done, f"the {system} client")
             if kind == "transfer":
                 out["socket"] = _plain_socket(hosts, params["mb"] << 20, params["rounds"])
@@ -268,6 +363,17 @@ def _tree(system: str, leaves: int, delay_ms: float, loss: float) -> dict[str, A
     return _on_hosts(system, "tree", 2, delay_ms, loss, leaves=leaves)
 
 
+def _df(system: str, rows: int, partitions: int, ops: str, methods: str) -> dict[str, Any]:
+    params = {"rows": rows, "partitions": partitions, "ops": ops, "methods": methods}
+    out = _on_hosts(system, "df", 2, **params)
+    one = _on_hosts(system, "df", 4, worker_hosts=1, **params)
+    for key, seconds in one.items():
+        out[f"{key}_1x4"] = seconds
+        out[f"{key}_vs_1x4"] = out[key] / seconds
+    return out
+
+
 _register(hosts_transfer, SYSTEMS, _transfer)
+_register(hosts_df_shuffle, SYSTEMS, _df)
 _register(hosts_tiny_tasks, SYSTEMS, _tiny)
 _register(hosts_tree_reduce, SYSTEMS, _tree)

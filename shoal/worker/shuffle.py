@@ -84,39 +84,67 @@ class _Form:
     """What the rows of one split share: a series or a frame, its column labels (a
     series: its name), the type of each column, and its index (a MultiIndex or not,
     the levels' names and types). Forms that are equal (:attr:`key`) join column by
-    column."""
+    column.
 
-    __slots__ = ("series", "labels", "dtypes", "index", "key")
+    ``numbered``: the position of the frame's column ``"_partitions"`` (the output
+    partition of each row, which dask's planner adds and drops again after the
+    shuffle) when the split routed its rows by it. Its values in output ``j`` are all
+    ``j``, so that column is neither kept nor sent: each output makes it again
+    (:meth:`build`'s ``number``), a fifth of the bytes of a frame of four columns."""
 
-    def __init__(self, series: bool, labels: Any, dtypes: tuple[Any, ...], index: tuple[Any, ...]) -> None:
+    __slots__ = ("series", "labels", "dtypes", "index", "numbered", "key")
+
+    def __init__(self, series: bool, labels: Any, dtypes: tuple[Any, ...], index: tuple[Any, ...],
+                 numbered: int | None = None) -> None:
         self.series, self.labels, self.dtypes, self.index = series, labels, dtypes, index
+        self.numbered = numbered
         named = (labels,) if series else (tuple(labels), str(labels.dtype), labels.nlevels)
-        self.key = (series, named, dtypes, index)
+        self.key = (series, named, dtypes, index, numbered)
 
     def __getstate__(self) -> Any:
         # (the labels in the pickle stream itself: an index of strings would otherwise
         # bring buffers of its own, and a split or bundle is best one buffer)
         labels = self.labels if self.series else pickle.dumps(self.labels, protocol=4)
-        return (self.series, labels, self.dtypes, self.index)
+        return (self.series, labels, self.dtypes, self.index, self.numbered)
 
     def __setstate__(self, state: Any) -> None:
-        series, labels, dtypes, index = state
-        self.__init__(series, labels if series else pickle.loads(labels), dtypes, index)  # type: ignore[misc]
+        series, labels, dtypes, index, numbered = state
+        self.__init__(series, labels if series else pickle.loads(labels), dtypes, index,  # type: ignore[misc]
+                      numbered)
 
     def same(self, other: _Form) -> bool:
         return other is self or other.key == self.key
 
-    def build(self, arrays: list[Any], ignore_index: bool = False) -> Any:
-        """A series or frame of ``arrays`` (its columns, then its index's levels, which
-        ``ignore_index`` needs not), no copy. Each column keeps its type: pandas would
-        read strings in an object array as its string type."""
+    @property
+    def stored(self) -> int:
+        """How many of the columns a split holds arrays of (all but the numbered one)."""
+        return len(self.dtypes) - (self.numbered is not None)
+
+    def build(self, arrays: list[Any], ignore_index: bool = False, number: int | None = None,
+              numbers: Any = None) -> Any:
+        """A series or frame of ``arrays`` (its stored columns, then its index's
+        levels, which ``ignore_index`` needs not), no copy. Each column keeps its type:
+        pandas would read strings in an object array as its string type. A numbered
+        form's column of output numbers is ``numbers`` (an array to fill with
+        ``number``: see :func:`join`) or a new one of ``number``."""
+        import numpy as np
         import pandas as pd
 
-        n = len(self.dtypes)
-        data, levels = arrays[:n], arrays[n:]
+        n = self.stored
+        data, levels = list(arrays[:n]), arrays[n:]
+        rows = len(arrays[0]) if arrays else 0
+        if self.numbered is not None:
+            if number is None:
+                raise ShuffleError("a split without its column of output numbers was joined with no output number")
+            dtype = self.dtypes[self.numbered]
+            if numbers is None:
+                numbers = np.full(rows, number, dtype=dtype)
+            else:
+                numbers[:] = number
+            data.insert(self.numbered, numbers)
         multi, names, types = self.index
         if ignore_index:
-            index = pd.RangeIndex(len(arrays[0]))
+            index = pd.RangeIndex(rows)
         elif multi:
             index = pd.MultiIndex.from_arrays([pd.Index(a, dtype=t, copy=False) for a, t in zip(levels, types)],
                                               names=list(names))
@@ -139,8 +167,11 @@ def _array(values: Any) -> Any:
     return values.to_numpy() if isinstance(values.dtype, np.dtype) else values.array
 
 
-def _arrays(frame: Any) -> tuple[_Form, list[Any]]:
-    """``frame``'s form and its arrays: its columns, then its index's levels."""
+def _arrays(frame: Any, numbered: bool = False) -> tuple[_Form, list[Any]]:
+    """``frame``'s form and its arrays: its columns, then its index's levels;
+    ``numbered``: without its column ``"_partitions"`` of output numbers when it has
+    one of integers (see :class:`_Form`)."""
+    import numpy as np
     import pandas as pd
 
     index = frame.index
@@ -151,8 +182,12 @@ def _arrays(frame: Any) -> tuple[_Form, list[Any]]:
         form = _Form(True, frame.name, (frame.dtype,), index_form)
         columns = [_array(frame)]
     else:
-        form = _Form(False, frame.columns, tuple(frame.dtypes), index_form)
-        columns = [_array(frame.iloc[:, i]) for i in range(frame.shape[1])]
+        labels = list(frame.columns)
+        at = labels.index("_partitions") if numbered and labels.count("_partitions") == 1 else None
+        if at is not None and not (isinstance(frame.dtypes.iloc[at], np.dtype) and frame.dtypes.iloc[at].kind in "iu"):
+            at = None
+        form = _Form(False, frame.columns, tuple(frame.dtypes), index_form, at)
+        columns = [_array(frame.iloc[:, i]) for i in range(frame.shape[1]) if i != at]
     return form, columns + [_array(level) for level in levels]
 
 
@@ -229,11 +264,12 @@ class Bundle:
         """Each array, its chunks joined (new arrays)."""
         return [_concat_arrays(chunks) for chunks in self.chunks]
 
-    def runs(self) -> list[tuple[int, Any]]:
-        """``(position, rows)`` of each split, as pandas frames (or series)."""
+    def runs(self, number: int | None = None) -> list[tuple[int, Any]]:
+        """``(position, rows)`` of each split, as pandas frames (or series) of output
+        ``number``."""
         import numpy as np
 
-        whole = self.form.build(self.arrays())
+        whole = self.form.build(self.arrays(), number=number)
         bounds = np.concatenate([[0], np.cumsum(self.lengths)])
         return [(int(p), whole.iloc[int(a) : int(b)]) for p, a, b in zip(self.positions, bounds[:-1], bounds[1:])]
 
@@ -264,22 +300,25 @@ def bundle(splits: list[tuple[int, Split]], index: int) -> list[Bundle]:
     return out
 
 
-def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
-    """``bundles`` as one frame, rows in input order: column by column when they are
-    of one form, else by dask's rules (:func:`_concat`). No rows at all: the first
-    bundle's empty frame (the data's types), or ``meta`` when there is none."""
+def join(bundles: list[Bundle], meta: Any, ignore_index: bool, number: int | None = None) -> Any:
+    """``bundles`` as one frame (output ``number``), rows in input order: column by
+    column when they are of one form, else by dask's rules (:func:`_concat`). No rows
+    at all: the first bundle's empty frame (the data's types), or ``meta`` when there
+    is none."""
     import numpy as np
 
     full = [b for b in bundles if b.rows]
     if not full:
-        return bundles[0].form.build(bundles[0].arrays(), ignore_index) if bundles else meta
+        return bundles[0].form.build(bundles[0].arrays(), ignore_index, number) if bundles else meta
     form = full[0].form
     if all(form.same(b.form) for b in full[1:]) and form.dtypes:
         # (with ignore_index the index's levels are left out: a new one is made)
-        width = len(form.dtypes) if ignore_index else len(full[0].chunks)
-        # the result in one buffer (see _result_arrays)
+        width = form.stored if ignore_index and form.stored else len(full[0].chunks)
+        # the result in one buffer (see _result_arrays), the column of output numbers too
         total = sum(b.rows for b in full)
-        out = _result_arrays([c[0].dtype for c in full[0].chunks[:width]], [total] * width)
+        numbered = [form.dtypes[form.numbered]] if form.numbered is not None else []
+        out = _result_arrays([c[0].dtype for c in full[0].chunks[:width]] + numbered, [total] * (width + len(numbered)))
+        numbers = out.pop() if numbered else None
         if all(len(b.chunks[0]) == len(b.positions) for b in full):  # a chunk per split: put them in order
             order = sorted((p, i, j) for i, b in enumerate(full) for j, p in enumerate(b.positions.tolist()))
             arrays = [_concat_arrays([full[i].chunks[a][j] for _, i, j in order], out[a]) for a in range(width)]
@@ -292,8 +331,8 @@ def join(bundles: list[Bundle], meta: Any, ignore_index: bool) -> Any:
                       for a in range(width)]
             if rows is not None:
                 arrays = [_take(a, rows, target) for a, target in zip(arrays, out)]
-        return form.build(arrays, ignore_index)
-    runs = sorted((run for b in full for run in b.runs() if len(run[1])), key=lambda run: run[0])
+        return form.build(arrays, ignore_index, number, numbers)
+    runs = sorted((run for b in full for run in b.runs(number) if len(run[1])), key=lambda run: run[0])
     out = _concat([rows for _, rows in runs])
     return out.reset_index(drop=True) if ignore_index else out
 
@@ -334,7 +373,7 @@ class Split:
     def rows(self, index: int) -> Any:
         """Output ``index``'s rows as a frame (or series)."""
         start, stop = self.bounds(index)
-        return self.form.build([a[start:stop] for a in self.arrays])
+        return self.form.build([a[start:stop] for a in self.arrays], number=index)
 
     def __shoal_spill_parts__(self) -> tuple[SplitHead, list[list[Any]]]:
         """How a worker's store spills a split: its :class:`SplitHead` stays in
@@ -417,6 +456,7 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     import numpy as np
 
     parts = output_numbers(df, on, npartitions)
+    columns = [on] if isinstance(on, str) else list(on or [])
     if len(parts) and (parts.min() < 0 or parts.max() >= npartitions):
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
     # (numbers of 8 or 16 bits sort by radix: 5x faster than as 64-bit numbers)
@@ -426,7 +466,7 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     # where the output number changes: each output's first row, and the end
     changes = np.flatnonzero(np.diff(ordered)) + 1 if len(ordered) else np.zeros(0, dtype=np.int64)
     nout = len(changes) + 1 if len(ordered) else 0
-    form, arrays = _arrays(df)
+    form, arrays = _arrays(df, numbered=columns[:1] == ["_partitions"])
     # the whole value in one buffer (see _result_arrays), its rows in the new order
     outputs, starts, *out = _result_arrays([np.dtype(np.int64)] * 2 + [a.dtype for a in arrays],
                                            [nout, nout + 1] + [len(parts)] * len(arrays))
@@ -464,7 +504,7 @@ def assemble(inputs: list[Any], index: int, meta: Any, ignore_index: bool = Fals
         got = bundles(get_worker(), inputs, index)
     else:
         got = bundle(list(enumerate(inputs)), index)
-    return join(got, meta, ignore_index)
+    return join(got, meta, ignore_index, index)
 
 
 def _concat(frames: list[Any]) -> Any:

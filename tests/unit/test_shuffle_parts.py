@@ -42,6 +42,55 @@ def test_a_split_holds_each_outputs_rows_in_their_order(n, outputs):
         pd.testing.assert_frame_equal(value.rows(j), expected)  # same rows, same order, same index
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, float])
+@pytest.mark.parametrize("where", [0, 2])
+def test_the_column_of_output_numbers_is_not_kept_but_made_again_in_each_output(dtype, where):
+    """A split routed by ``_partitions`` (dask's planner's column of output numbers)
+    holds no array of it: each output makes it again, of its type and in its place,
+    from its own number. A column of floats is kept as it is."""
+    rng = np.random.default_rng(3)
+    n, outputs = 1000, 6
+    df = pd.DataFrame({"a": rng.random(n), "b": rng.integers(0, 9, n)}, index=np.arange(n) * 3)
+    df.insert(where, "_partitions", rng.integers(0, outputs, n).astype(dtype))
+    value = split(df, "_partitions", outputs)
+    integer = np.dtype(dtype).kind in "iu"
+    assert len(value.arrays) == (3 if integer else 4)  # a, b and the index (and the floats)
+    assert (value.form.numbered == where) == integer
+    for j in range(outputs):
+        expected = df[df["_partitions"] == j]
+        pd.testing.assert_frame_equal(value.rows(j), expected)
+        pd.testing.assert_frame_equal(join(bundle([(0, value)], j), None, False, j), expected)
+        pd.testing.assert_frame_equal(join(bundle([(0, value)], j), None, True, j), expected.reset_index(drop=True))
+    # forms that differ (an int column that is float in another input) join by dask's rules
+    other = df.astype({"b": float})
+    values = [value, split(other, "_partitions", outputs)]
+    for j in range(outputs):
+        expected = pd.concat([df[df["_partitions"] == j], other[other["_partitions"] == j]])
+        pd.testing.assert_frame_equal(join(bundle(list(enumerate(values)), j), None, False, j), expected)
+    # a split with no rows at all: the empty frame of the data's types
+    empty = split(df.iloc[:0], "_partitions", outputs)
+    pd.testing.assert_frame_equal(join(bundle([(0, empty)], 1), None, False, 1), df.iloc[:0])
+    if integer:
+        with pytest.raises(ShuffleError, match="no output number"):
+            value.form.build(value.arrays)
+
+
+def test_a_spilled_split_without_its_column_of_output_numbers_reads_back_each_output(store):
+    df = frame(3000, 5, seed=4)
+    key = _keys(1)[0]
+    store[key] = split(df, "_partitions", 5)
+    store._spill(key)
+    worker = _Worker(store)
+    for j in range(5):
+        held, rows, lost = _slices(worker, [key], j)
+        assert held == [0] and lost == []
+        pd.testing.assert_frame_equal(join(rows, None, False, j), df[df["_partitions"] == j])
+    whole = store[key]
+    assert whole.form.numbered == 0
+    for j in range(5):
+        pd.testing.assert_frame_equal(whole.rows(j), df[df["_partitions"] == j])
+
+
 def test_output_numbers_out_of_range_are_a_clear_error():
     df = frame(10, 3)
     with pytest.raises(ShuffleError, match="outside 0..1"):
@@ -130,7 +179,7 @@ def test_get_slices_serves_splits_only_and_leaves_out_what_it_lacks(store):
     worker = _Worker(store)
     held, rows, lost = _slices(worker, [("shoal-shuffle-split-abc", 1), ("shoal-shuffle-split-abc", 0)], 2)
     assert held == [1] and lost == [] and [b.positions.tolist() for b in rows] == [[1]]
-    got = join(rows, None, False)
+    got = join(rows, None, False, 2)
     assert len(got) and (got["_partitions"] == 2).all()
     with pytest.raises(ShuffleError, match="splits only"):
         _slices(worker, ["other"], 0)
@@ -153,7 +202,7 @@ def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(stor
     keys = _keys(3)
     for key, df in zip(keys, frames):
         store[key] = split(df, "_partitions", outputs)
-    kept = {j: join(_slices(_Worker(store), keys, j)[1], None, False) for j in range(outputs)}
+    kept = {j: join(_slices(_Worker(store), keys, j)[1], None, False, j) for j in range(outputs)}
     for key in keys[:2]:
         store._spill(key)
     assert store.is_spilled(keys[0]) and not store.is_spilled(keys[2])
@@ -171,7 +220,7 @@ def test_a_spilled_split_is_served_one_output_at_a_time_from_its_part_alone(stor
         read.clear()
         held, rows, lost = _slices(worker, keys, j)
         assert held == [0, 1, 2] and lost == []
-        pd.testing.assert_frame_equal(join(rows, None, False), kept[j])
+        pd.testing.assert_frame_equal(join(rows, None, False, j), kept[j])
         # one record per spilled split with rows for j, each a part of its file
         with_rows = [k for k, df in zip(keys[:2], frames) if (df["_partitions"] == j).any()]
         assert len(read) == len(with_rows)
@@ -196,7 +245,7 @@ def test_a_spilled_split_of_every_column_type_reads_back_as_written(store):
     worker = _Worker(store)
     for j in range(6):
         held, rows, lost = _slices(worker, [key], j)
-        pd.testing.assert_frame_equal(join(rows, df.iloc[:0], False), expected[j])
+        pd.testing.assert_frame_equal(join(rows, df.iloc[:0], False, j), expected[j])
     whole = store[key]
     for j in range(6):
         pd.testing.assert_frame_equal(whole.rows(j), expected[j])
@@ -220,7 +269,7 @@ def test_a_flipped_bit_in_a_spilled_split_loses_it_and_never_serves_its_rows(sto
     held, rows, lost = _slices(worker, keys, 2)
     assert lost == [0] and held == [1] and worker.lost == [keys[0]]
     assert keys[0] not in store and not os.path.exists(path)
-    got = join(rows, None, False)
+    got = join(rows, None, False, 2)
     pd.testing.assert_frame_equal(got, frames[1][frames[1]["_partitions"] == 2])
 
 
@@ -274,7 +323,7 @@ def test_a_peer_of_this_host_reads_a_spilled_split_from_its_file_and_asks_when_t
     assert ask == {} and len(pieces) == 1
     done, unread = _resolve(worker, pieces, 2)
     assert unread == []
-    pd.testing.assert_frame_equal(join(bundle(done, 2), None, False), df[df["_partitions"] == 2])
+    pd.testing.assert_frame_equal(join(bundle(done, 2), None, False, 2), df[df["_partitions"] == 2])
     changed = (*expect[:2], expect[2] + 1, expect[3])
     other = Sources({}, {}, {}, None, {}, {0: (key, head, path, changed, records)})
     ask = {"w0": [0]}
@@ -302,7 +351,7 @@ def test_a_split_spilled_and_read_back_meanwhile_is_served_from_memory(store, mo
     monkeypatch.setattr(spill_module, "read_part", meanwhile)
     held, rows, lost = _slices(_Worker(store), [key], 1)
     assert held == [0] and lost == [] and not store.is_spilled(key)
-    pd.testing.assert_frame_equal(join(rows, None, False), df[df["_partitions"] == 1])
+    pd.testing.assert_frame_equal(join(rows, None, False, 1), df[df["_partitions"] == 1])
 
 
 def test_what_a_worker_learned_of_a_placement_goes_with_it_without_the_cyclic_collector():
@@ -361,7 +410,7 @@ def test_joined_pieces_equal_dasks_concat_of_the_same_rows(ignore_index):
     for inputs in (same, differ):
         splits = [split(df, "k", 4) for df in inputs]
         for j in range(4):
-            got = join(bundle(list(enumerate(splits)), j), inputs[0].iloc[:0], ignore_index)
+            got = join(bundle(list(enumerate(splits)), j), inputs[0].iloc[:0], ignore_index, j)
             expected = dask_concat([s.rows(j) for s in splits], uniform=True, ignore_index=ignore_index)
             if ignore_index:  # (dask's concat keeps the index of frames with categories: shoal's does not)
                 expected = expected.reset_index(drop=True)
@@ -369,7 +418,7 @@ def test_joined_pieces_equal_dasks_concat_of_the_same_rows(ignore_index):
     series = [df["obj"] for df in same]
     splits = [split(x, [], 3) for x in series]
     for j in range(3):
-        got = join(bundle(list(enumerate(splits)), j), series[0].iloc[:0], ignore_index)
+        got = join(bundle(list(enumerate(splits)), j), series[0].iloc[:0], ignore_index, j)
         expected = dask_concat([s.rows(j) for s in splits], ignore_index=ignore_index)
         if ignore_index:  # (nor does it make a new index for series)
             expected = expected.reset_index(drop=True)
@@ -383,7 +432,7 @@ def test_a_join_keeps_duplicate_labels_a_multiindex_and_the_types_of_no_rows():
                       index=pd.MultiIndex.from_arrays([rng.integers(0, 3, 40), np.arange(40)], names=["x", "y"]))
     df["p"] = rng.integers(0, 3, 40)
     splits = [split(df.iloc[:20], "p", 5), split(df.iloc[20:], "p", 5)]
-    out = [join(bundle(list(enumerate(splits)), j), df.iloc[:0], False) for j in range(5)]
+    out = [join(bundle(list(enumerate(splits)), j), df.iloc[:0], False, j) for j in range(5)]
     pd.testing.assert_frame_equal(pd.concat(out).sort_index(), df.sort_index())
     assert list(out[4].columns) == ["a", "a", "b", "p"] and len(out[4]) == 0  # (no rows: still the data's types)
     assert out[4].dtypes.tolist() == df.dtypes.tolist()
@@ -397,7 +446,7 @@ def test_bundles_splits_and_placements_pickle_without_what_a_worker_learned():
     again = pickle.loads(pickle.dumps(value, protocol=5))
     pd.testing.assert_frame_equal(again.rows(1), value.rows(1))
     rows = pickle.loads(pickle.dumps(bundle([(0, value)], 2), protocol=5))
-    pd.testing.assert_frame_equal(join(rows, None, False), value.rows(2))
+    pd.testing.assert_frame_equal(join(rows, None, False, 2), value.rows(2))
     placement = locate(Location("k", ("w1",)))
     placement._sources["w1"] = object()
     copy = pickle.loads(pickle.dumps(placement))
@@ -422,10 +471,10 @@ def test_bundles_of_interleaved_holders_join_in_input_order(rows):
     inputs = [_mixed(rows, s, ["a", "b", "c"]) for s in range(6)]
     splits = [split(df, "k", 3) for df in inputs]
     for j in range(3):
-        whole = join(bundle(list(enumerate(splits)), j), None, False)
+        whole = join(bundle(list(enumerate(splits)), j), None, False, j)
         even = bundle([(p, s) for p, s in enumerate(splits) if p % 2 == 0], j)
         odd = bundle([(p, s) for p, s in enumerate(splits) if p % 2], j)
         assert len(even[0].chunks[0]) == (1 if rows == 60 else 3)
-        pd.testing.assert_frame_equal(join(odd + even, None, False), whole)
+        pd.testing.assert_frame_equal(join(odd + even, None, False, j), whole)
         expected = pd.concat([s.rows(j) for s in splits])
         pd.testing.assert_frame_equal(whole, expected)
