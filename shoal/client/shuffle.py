@@ -161,12 +161,10 @@ def install() -> bool:
 
             if (self.method or get_default_shuffle_method()) != METHOD:
                 return original(self)
-            frame = self.frame
-            if self.npartitions_out < frame.npartitions:
-                from dask.dataframe.dask_expr._repartition import Repartition
-
-                frame = Repartition(frame, new_partitions=self.npartitions_out)
-            return ShoalShuffle(frame, self.partitioning_index, self.npartitions_out, self.ignore_index,
+            # (no repartition to fewer inputs first, as dask's task shuffle does to keep
+            # its n x m tasks down: this one has n + 1 + m, and joining inputs would
+            # move them before the shuffle moves their rows again)
+            return ShoalShuffle(self.frame, self.partitioning_index, self.npartitions_out, self.ignore_index,
                                 self.options, self.original_partitioning_index)
 
         setattr(_shuffle.Shuffle, "_lower", _lower)  # noqa: B010 - (a method replaced)

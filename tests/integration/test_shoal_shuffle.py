@@ -109,6 +109,27 @@ def test_a_shuffle_is_two_tasks_per_partition_and_one():
         pd.testing.assert_frame_equal(sort(client.compute(shuffled).result()), sort(df))
 
 
+def test_fewer_outputs_than_inputs_split_every_input_where_it_is():
+    """Into fewer partitions (a groupby's split_out) each input partition is split
+    where it is: none is joined to others first (dask's task shuffle repartitions to
+    keep its n x m tasks down; that would move the inputs before their rows move)."""
+    n = 24
+    df = pd.DataFrame({"k": np.arange(40 * n) % 53, "v": np.arange(40 * n, dtype=float)})
+    ddf = dd.from_pandas(df, npartitions=n, sort=False)
+    with shoal.Client(n_workers=2, processes=False, dashboard_address=None) as client:
+        grouped = ddf.groupby("k").sum(split_out=4, shuffle_method="shoal")
+        shuffled = ddf.shuffle("k", npartitions=3, shuffle_method="shoal")
+        for value in (grouped, shuffled):
+            names = [str(k[0] if isinstance(k, tuple) else k) for k in dict(value.__dask_graph__())]
+            assert sum(x.startswith("shoal-shuffle-split") for x in names) == n
+            assert not any("repartition" in x for x in names)
+        got = client.compute(grouped).result()
+        pd.testing.assert_frame_equal(got.sort_index(), df.groupby("k").sum())
+        out = client.compute(shuffled).result()
+        assert shuffled.npartitions == 3
+        pd.testing.assert_frame_equal(sort(out), sort(df))
+
+
 def test_many_sparse_partitions_come_out_right_and_in_input_order():
     """100 partitions into 400 on worker processes: most splits have rows for few
     outputs (an assembly asks only the holders with rows for it), strings and
