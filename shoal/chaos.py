@@ -261,12 +261,14 @@ GRAPHS: dict[str, Callable[[Any, Any], tuple[Any, Any, Callable[[Any, Any], bool
 def run_chaos(client: Any, kill: Callable[[], bool] | None, *, seconds: float | None = None,
               graphs: int | None = None, seed: int = 0, kill_every: tuple[float, float] = (0.5, 2.0),
               deadline: float = 60.0, kinds: list[str] | None = None,
-              say: Callable[[str], None] | None = None) -> ChaosReport:
+              say: Callable[[str], None] | None = None, min_kills: int = 0) -> ChaosReport:
     """Run graphs drawn from ``kinds`` (default: all of :data:`GRAPHS`) one after another
     for ``seconds`` or ``graphs`` of them (whichever comes first), each checked against
     its local result, while ``kill()`` is called every ``kill_every`` seconds (drawn
-    uniformly; ``kill=None``: no kills). A graph without a result after ``deadline``
-    seconds counts as hung and is cancelled. Returns a :class:`ChaosReport`."""
+    uniformly; ``kill=None``: no kills). ``min_kills``: with ``graphs``, more graphs are
+    drawn until ``kill()`` killed that many times (graphs may all be done before the
+    first kill), for at most ``deadline`` seconds more. A graph without a result after
+    ``deadline`` seconds counts as hung and is cancelled. Returns a :class:`ChaosReport`."""
     if seconds is None and graphs is None:
         raise ValueError("run_chaos needs seconds= or graphs=")
     names = list(kinds or GRAPHS)
@@ -293,7 +295,21 @@ def run_chaos(client: Any, kill: Callable[[], bool] | None, *, seconds: float | 
         thread.start()
     try:
         i = 0
-        while (seconds is None or time.monotonic() - started < seconds) and (graphs is None or i < graphs):
+        more_until: float | None = None  # (drawing more graphs for min_kills, until then)
+
+        def another() -> bool:
+            nonlocal more_until
+            if seconds is not None and time.monotonic() - started >= seconds:
+                return False
+            if graphs is None or i < graphs:
+                return True
+            if kill is None or report.kills >= min_kills:
+                return False
+            if more_until is None:
+                more_until = time.monotonic() + deadline
+            return time.monotonic() < more_until
+
+        while another():
             kind = pick.choice(names)
             graph_seed = seed * 1_000_003 + i
             i += 1

@@ -114,20 +114,8 @@ class Host:
         """Count the bytes this host sends to and receives from the address ``peer``
         (IP packets, headers included) from now on, read with :meth:`traffic`; counting
         again starts from zero. Needs nft (Debian's nftables)."""
-        if shutil.which("nft") is None:
-            raise OSError("counting traffic between test hosts needs nft (Debian's nftables)")
-        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "delete", "table", "ip", _NFT_COUNTS],
-                       capture_output=True, timeout=30)
-        script = (f"table ip {_NFT_COUNTS} {{\n"
-                  f"  chain output {{ type filter hook output priority -10; policy accept;\n"
-                  f"    ip daddr {peer} counter\n  }}\n"
-                  f"  chain input {{ type filter hook input priority -10; policy accept;\n"
-                  f"    ip saddr {peer} counter\n  }}\n"
-                  "}\n")
-        done = subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=script,
-                              capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            raise OSError(f"nft on {self.name}: {done.stderr.strip()}")
+        self._nft_table("ip " + _NFT_COUNTS, -10, f"ip saddr {peer} counter", f"ip daddr {peer} counter",
+                        "counting traffic")
 
     def traffic(self) -> tuple[int, int]:
         """``(sent, received)``: the bytes counted since :meth:`count_traffic`."""
@@ -198,16 +186,23 @@ class Host:
         self._apply_faults()
 
     def _apply_faults(self) -> None:
-        if shutil.which("nft") is None:
-            raise OSError("faults between test hosts need nft (Debian's nftables)")
-        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "delete", "table", "inet", _NFT_TABLE],
-                       capture_output=True, timeout=30)
-        if not self._faults:
-            return
         body = "\n    ".join(self._faults.values())
-        script = (f"table inet {_NFT_TABLE} {{\n"
-                  f"  chain input {{ type filter hook input priority 0; policy accept;\n    {body}\n  }}\n"
-                  f"  chain output {{ type filter hook output priority 0; policy accept;\n    {body}\n  }}\n"
+        self._nft_table("inet " + _NFT_TABLE, 0, body, body, "faults")
+
+    def _nft_table(self, table: str, priority: int, input_rules: str, output_rules: str, what: str) -> None:
+        """Replace the nftables ``table`` ("family name") of this host's namespace by
+        one whose input and output chains (at ``priority``) hold these rules; no rules:
+        none. ``what``: what the table is for, in the error when nft is missing."""
+        if shutil.which("nft") is None:
+            raise OSError(f"{what} between test hosts needs nft (Debian's nftables)")
+        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "delete", "table", *table.split()],
+                       capture_output=True, timeout=30)
+        if not input_rules and not output_rules:
+            return
+        script = (f"table {table} {{\n"
+                  f"  chain input {{ type filter hook input priority {priority}; policy accept;\n    {input_rules}\n  }}\n"
+                  f"  chain output {{ type filter hook output priority {priority}; policy accept;\n"
+                  f"    {output_rules}\n  }}\n"
                   "}\n")
         done = subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=script,
                               capture_output=True, text=True, timeout=30)

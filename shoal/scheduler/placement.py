@@ -14,7 +14,9 @@ keeps the workers with room by load (:meth:`Placement._touch` keeps them up to d
 wherever a worker's load or room may change); a task naming workers (``workers=``)
 scores those, found by name. A dependent may go to its inputs' holder past its room
 (up to ``_HOLDER_OVERFILL`` times it), and sibling root tasks go together, so a
-reduction's inputs are found where it runs. After each event, the workers whose room
+reduction's inputs are found where it runs; so do a shuffle's outputs (whose input, the
+barrier, says only where the splits are) with their siblings: output ``j`` of both
+sides of a merge is assembled on one worker. After each event, the workers whose room
 grew take tasks from the queue (:meth:`Placement._fill_opened`), each from the
 buckets of the tasks it may run.
 """
@@ -37,6 +39,8 @@ _HOLDER_OVERFILL = 2
 #: root tasks are placed with their siblings (the other inputs of a dependent) when
 #: they have at most this many dependents, each with at most this many inputs
 _SIBLING_DEPENDENTS, _SIBLING_INPUTS = 4, 4
+#: ... and a shuffle's outputs through chains of at most this many tasks of one input
+_SIBLING_CHAIN = 3
 #: task durations recorded between two changes of how many tasks a worker gets ahead
 #: (each change looks at every worker once)
 _AHEAD_EVERY = 100
@@ -157,6 +161,10 @@ class Placement(TaskTransitions):
         free)."""
         if ts.dependencies:
             holder = self._best_holder(ts)
+            if holder is None and self._assembles(ts):
+                # a shuffle's output, whose inputs are everywhere: it goes with its
+                # siblings (a merge's other side), running or done
+                holder = self._sibling_worker(ts, held=True)
         else:
             holder = self._sibling_worker(ts)
         if holder is not None:
@@ -218,27 +226,72 @@ class Placement(TaskTransitions):
 
     def _siblings(self, ts: TaskState) -> list[TaskState]:
         """The other inputs of the dependents of ``ts`` (a few: see _SIBLING_*), in
-        priority order."""
-        if not ts.dependents or len(ts.dependents) > _SIBLING_DEPENDENTS:
+        priority order. For a shuffle's output (:meth:`_assembles`) through chains of
+        tasks of one input each: dask's planner drops the column of output numbers in
+        a task of its own after each output, and a merge joins those two tasks; the
+        sibling of one side's output is then the other side's (or the task after it,
+        once that exists)."""
+        through = self._assembles(ts)
+        top = ts
+        if through:
+            for _ in range(_SIBLING_CHAIN):
+                if len(top.dependents) != 1:
+                    break
+                (up,) = top.dependents
+                if len(up.dependencies) != 1:
+                    break
+                top = up
+        if not top.dependents or len(top.dependents) > _SIBLING_DEPENDENTS:
             return []
         out: list[TaskState] = []
-        for dts in sorted(ts.dependents):
+        for dts in sorted(top.dependents):
             deps = dts.dependencies
             if len(deps) <= _SIBLING_INPUTS:
                 for d in deps:
-                    if d is not ts and d not in out:
+                    if through:
+                        d = self._placed_below(d)
+                    if d is not top and d is not ts and d not in out:
                         out.append(d)
         return out
 
-    def _sibling_worker(self, ts: TaskState) -> WorkerState | None:
-        """The worker where a sibling of the root task ``ts`` runs (even beyond its
-        room, as a dependent goes to its inputs): the dependent then finds both its
-        inputs there (co-assignment)."""
-        for sib in self._siblings(ts):
+    def _placed_below(self, ts: TaskState) -> TaskState:
+        """``ts``, or down its chain of tasks of one input each (a few), the first
+        that runs or is held somewhere, or is queued, or is a shuffle's output (never
+        its barrier)."""
+        for _ in range(_SIBLING_CHAIN):
+            if ts.processing_on is not None or ts.who_has or ts.state == "queued" or len(ts.dependencies) != 1 \
+                    or self._assembles(ts):
+                return ts
+            (ts,) = ts.dependencies
+        return ts
+
+    def _sibling_worker(self, ts: TaskState, held: bool = False) -> WorkerState | None:
+        """The worker where a sibling of ``ts`` runs (even beyond its room, as a
+        dependent goes to its inputs), or with ``held`` also one that holds a sibling:
+        the dependent then finds both its inputs there (co-assignment)."""
+        siblings = self._siblings(ts)
+        for sib in siblings:
             ws = sib.processing_on
             if ws is not None and self._may_take(ts, ws):
                 return ws
+            if held and sib.who_has:
+                for ws in sorted(sib.who_has, key=lambda w: w.address):
+                    if self._may_take(ts, ws):
+                        return ws
+        if held:
+            # all of them full: it waits there for a thread rather than make its
+            # dependent move a sibling (as a task with a large input waits at its holder)
+            for sib in siblings:
+                ws = sib.processing_on or min(sib.who_has, key=lambda w: w.address, default=None)
+                if ws is not None and self._may_wait_at(ts, ws, _QUEUE_OVERFILL):
+                    return ws
         return None
+
+    def _assembles(self, ts: TaskState) -> bool:
+        """Whether the only inputs of ``ts`` are shuffle barriers (an assembly of
+        shoal's shuffle: its rows are on every worker that holds a split)."""
+        locating = self.locating
+        return bool(ts.dependencies) and all(d in locating for d in ts.dependencies)
 
     def _input_bytes(self, ts: TaskState) -> dict[WorkerState, int]:
         """The bytes of the inputs of ``ts`` each of their holders holds. A shuffle's
@@ -379,13 +432,13 @@ class Placement(TaskTransitions):
             more = self._transition(ts, "processing", ws)
             if more:
                 self._recommend(more)
-            if not ts.dependencies:
+            if not ts.dependencies or self._assembles(ts):
                 self._pull_siblings(ts, ws)
 
     def _pull_siblings(self, ts: TaskState, ws: WorkerState) -> None:
-        """The root task ``ts`` went to ``ws`` from the queue: its queued siblings go
-        with it (beyond the room of ``ws`` if need be), so their dependent finds its
-        inputs in one place."""
+        """The root task (or shuffle output) ``ts`` went to ``ws`` from the queue: its
+        queued siblings go with it (beyond the room of ``ws`` if need be), so their
+        dependent finds its inputs in one place."""
         for sib in self._siblings(ts):
             if sib.state == "queued" and not self._constrained(sib) and self._overfillable(ws):
                 self._dequeue(sib)

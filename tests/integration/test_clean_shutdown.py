@@ -206,7 +206,7 @@ def test_local_cluster_process_leaves_nothing(processes, tmp_path, how):
     does not stop (SIGSTOP) makes it kill them and leave at once, as clean."""
     marker = tmp_path / "stuck"
     # a session of its own: a Ctrl-C at a terminal goes to its whole process group
-    script = subprocess.Popen([sys.executable, "-c", _CLUSTER_SCRIPT, str(marker), str(BIG)],
+    script = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _CLUSTER_SCRIPT, str(marker), str(BIG)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)
     processes.append(script)
@@ -232,7 +232,10 @@ def test_local_cluster_process_leaves_nothing(processes, tmp_path, how):
     try:
         returncode = script.wait(EXIT_DEADLINE)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"the cluster's process did not exit within {EXIT_DEADLINE}s") from None
+        # what it was doing: its threads' stacks (faulthandler on SIGABRT), then its words
+        os.kill(script.pid, signal.SIGABRT)
+        _, err = script.communicate(timeout=30)
+        raise AssertionError(f"the cluster's process did not exit within {EXIT_DEADLINE}s:\n{err[-6000:]}") from None
     err = script.stderr.read()
     assert returncode == expected, err
     assert ("workers were killed" in err) == (how == "second-SIGTERM-while-closing"), err

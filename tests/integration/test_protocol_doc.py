@@ -433,11 +433,17 @@ def test_segment_rules_hold_against_shoals_own_reader_and_owner() -> None:
         assert not os.path.exists(shm_path(info[0]))
         assert len(_pool_files(pid, "pool")) == 1
         seg2, v2 = py_place(arr * 2)
-        assert len(_pool_files(pid, "pool")) == 1  # our shared lock kept it out of reuse
+        # our shared lock kept it out of reuse, and the new value's room went out of the pool
+        assert _pool_files(pid, "pool") == set()
         assert np.array_equal(mine, arr) and np.array_equal(v2, arr * 2)
-        # we let go: the next value of that size reuses the memory, under a new name and token
         del mine
+        # a value released while nobody maps it: the next value of that size reuses its
+        # memory, under a new name and token
+        info = seg2.info
+        seg2.retire()
+        del v2
         gc.collect()
+        assert len(_pool_files(pid, "pool")) == 1
         seg3, v3 = py_place(arr * 3)
         assert _pool_files(pid, "pool") == set()
         assert seg3.name != info[0] and seg3.info[4] != info[4]

@@ -180,7 +180,7 @@ def test_shuffles_with_every_split_on_disk_stay_right_while_workers_are_killed(e
     with config.set(nanny_max_restarts=10_000), dask.config.set({"dataframe.shuffle.method": "shoal"}):
         with shoal.Client(n_workers=2, processes=True, dashboard_address=None, memory_limit="1GB") as client:
             report = run_chaos(client, kill_a_worker(client, random.Random(13)), graphs=8, seed=13,
-                               kill_every=(0.5, 2.0), deadline=60,
+                               kill_every=(0.5, 2.0), deadline=60, min_kills=1,
                                kinds=["groupby_split", "shuffle", "merge", "set_index"])
     report.check()
-    assert report.total == 8 and report.kills >= 1, report.summary()
+    assert report.total >= 8 and report.kills >= 1, report.summary()

@@ -4,6 +4,7 @@ is lost, so that the outputs assembled after it never miss a split."""
 
 from __future__ import annotations
 
+import pytest
 from scheduler_harness import Sched, compute_of, computes, frees, without_user_data
 
 from shoal.scheduler.events import NewTask, RemoveWorkerEvent
@@ -157,3 +158,146 @@ def test_more_outputs_than_room_wait_in_the_queue_for_whichever_worker_is_free()
     s.finish(s.on("L"), "L")
     sent = [s.on(f"a{j}") for j in range(n) if s.states()[f"a{j}"] == "processing"]
     assert sent.count("w0") == sent.count("w1"), sent
+
+
+def merge_of_two_shuffles(s: Sched) -> None:
+    """Two shuffles of two partitions (splits l0, l1 and r0, r1; barriers LL, LR;
+    assemblies la0, la1 and ra0, ra1) and a merge of each pair of outputs (m0, m1),
+    on workers w0 and w1; every split made, no barrier run yet."""
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    tasks = []
+    for side in ("l", "r"):
+        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
+        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
+        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(2)]
+    tasks += [t(f"m{j}", f"la{j}", f"ra{j}") for j in range(2)]
+    s.submit(*tasks, wanted=["m0", "m1"])
+    for key in ("l0", "l1", "r0", "r1"):
+        s.finish(s.on(key), key, nbytes=1000)
+
+
+def test_the_outputs_of_a_merge_go_where_their_other_side_was_assembled():
+    """Output j of both sides of a merge is assembled on one worker (the merge of the
+    pair then moves nothing), even when that worker is the busier one."""
+    s = Sched()
+    merge_of_two_shuffles(s)
+    s.finish(s.on("LR"), "LR")
+    right = {j: s.on(f"ra{j}") for j in range(2)}
+    assert sorted(right.values()) == ["w0", "w1"]
+    s.finish(right[0], "ra0", nbytes=500)
+    s.finish(right[1], "ra1", nbytes=500)
+    # the worker that holds ra0 is now the busier one
+    s.submit(t("busy", on=right[0]), wanted=["busy"])
+    assert s.on("busy") == right[0]
+    s.finish(s.on("LL"), "LL")
+    assert {j: s.on(f"la{j}") for j in range(2)} == right
+    for j in range(2):
+        s.finish(right[j], f"la{j}", nbytes=2000)
+        assert s.on(f"m{j}") == right[j]
+
+
+def test_an_output_goes_where_its_other_side_is_still_being_assembled():
+    s = Sched()
+    merge_of_two_shuffles(s)
+    s.finish(s.on("LR"), "LR")
+    right = {j: s.on(f"ra{j}") for j in range(2)}
+    s.finish(s.on("LL"), "LL")  # the right side's outputs are still running
+    assert {j: s.on(f"la{j}") for j in range(2)} == right
+
+
+def test_outputs_wait_at_their_other_side_past_the_room_of_its_worker():
+    """Forty outputs a side on two one-thread workers: the left outputs are sent to the
+    workers holding their right outputs, past their room (as a task with a large input
+    waits at its holder), never to the other; the rest wait in the queue."""
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    n = 40
+    tasks = []
+    for side in ("l", "r"):
+        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
+        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
+        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(n)]
+    tasks += [t(f"m{j}", f"la{j}", f"ra{j}") for j in range(n)]
+    s.submit(*tasks, wanted=[f"m{j}" for j in range(n)])
+    for key in ("l0", "l1", "r0", "r1"):
+        s.finish(s.on(key), key, nbytes=1000)
+    s.finish(s.on("LR"), "LR")
+    held: dict[int, str] = {}
+    while len(held) < n:  # the right side's outputs, as workers free threads
+        j = next(j for j in range(n) if j not in held and s.states()[f"ra{j}"] == "processing")
+        held[j] = s.on(f"ra{j}")
+        s.finish(held[j], f"ra{j}", nbytes=4 << 20)
+    room = 1 + s.state._ahead_now  # a one-thread worker's room
+    s.finish(s.on("LL"), "LL")
+    sent = {j: s.on(f"la{j}") for j in range(n) if s.states()[f"la{j}"] == "processing"}
+    assert all(sent[j] == held[j] for j in sent), "no output away from its other side"
+    # more than a holder takes past its room (2x): they wait there (up to 4x), the rest in the queue
+    assert max(list(sent.values()).count(w) for w in ("w0", "w1")) > 2 * room
+    assert all(s.states()[f"la{j}"] == "queued" for j in range(n) if j not in sent)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_a_queued_output_takes_its_queued_other_side_along(projected):
+    """Both sides' outputs waiting in the queue (more than the workers' room): the
+    worker that takes output j of one side from it takes output j of the other too,
+    also when a task of one input follows each (dask's planner drops the column of
+    output numbers so) and the merge joins those."""
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    n = 40
+    tasks = []
+    for side in ("l", "r"):
+        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
+        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
+        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(n)]
+        if projected:
+            tasks += [t(f"p{side}{j}", f"{side}a{j}") for j in range(n)]
+    above = "p{}{}" if projected else "{}a{}"
+    tasks += [t(f"m{j}", above.format("l", j), above.format("r", j)) for j in range(n)]
+    s.submit(*tasks, wanted=[f"m{j}" for j in range(n)])
+    for key in ("l0", "l1", "r0", "r1"):
+        s.finish(s.on(key), key, nbytes=1000)
+    s.finish(s.on("LR"), "LR")
+    s.finish(s.on("LL"), "LL")
+    where: dict[str, str] = {}
+    for _ in range(8 * n):  # workers finish what they run, and take more from the queue
+        running = sorted(k for k, st in s.states().items() if st == "processing")
+        if not running:
+            break
+        for key in running:
+            if key[1] == "a":
+                where.setdefault(key, s.on(key))
+        s.finish(s.on(running[0]), running[0], nbytes=4 << 20)
+    assert len(where) == 2 * n
+    apart = [j for j in range(n) if where[f"la{j}"] != where[f"ra{j}"]]
+    assert len(apart) <= n // 10, apart
+
+
+def test_an_output_finds_its_other_side_through_the_task_after_it():
+    """Output j of the right side done, and the task after it (one input) done on the
+    same worker: output j of the left side goes there."""
+    s = Sched()
+    for w in ("w0", "w1"):
+        s.add_worker(w)
+    tasks = []
+    for side in ("l", "r"):
+        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
+        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
+        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(2)]
+        tasks += [t(f"p{side}{j}", f"{side}a{j}") for j in range(2)]
+    tasks += [t(f"m{j}", f"pl{j}", f"pr{j}") for j in range(2)]
+    s.submit(*tasks, wanted=["m0", "m1"])
+    for key in ("l0", "l1", "r0", "r1"):
+        s.finish(s.on(key), key, nbytes=1000)
+    s.finish(s.on("LR"), "LR")
+    right = {j: s.on(f"ra{j}") for j in range(2)}
+    for j in range(2):
+        s.finish(right[j], f"ra{j}", nbytes=500)
+        assert s.on(f"pr{j}") == right[j]
+        s.finish(right[j], f"pr{j}", nbytes=500)
+    s.submit(t("busy", on=right[0]), wanted=["busy"])
+    s.finish(s.on("LL"), "LL")
+    assert {j: s.on(f"la{j}") for j in range(2)} == right
