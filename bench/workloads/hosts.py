@@ -82,16 +82,17 @@ hosts_df_shuffle = Workload(
     "hosts_df_shuffle",
     "df_shuffle's operations (8M rows in 32 partitions: shuffle('k'), merge with a frame a "
     "quarter the size, set_index('k'), groupby('k').sum(split_out=8)) on 2 workers x 1 thread "
-    "on each of two test hosts and on 4 workers of one (`_1x4`): seconds (one untimed round "
-    "first), bytes between the worker hosts (`_cross_mb`), and for shuffle and set_index the "
+    "on each of two test hosts and on 4 workers of one (`_1x4`): seconds (median of `rounds` "
+    "after one untimed round), bytes between the worker hosts (`_cross_mb`), and for shuffle and set_index the "
     "bytes whose rows must cross (`_must_mb`, `_cross_vs_must`); every result checked "
     "against pandas. shoal: its own shuffle; dask: P2P and tasks",
     metrics={f"{op}_{m}{tail}": unit for op in ("shuffle", "merge", "set_index", "groupby")
              for m in ("shoal", "p2p", "tasks")
              for tail, unit in (("", "s"), ("_1x4", "s"), ("_vs_1x4", "x ref"), ("_cross_mb", "MB"),
                                 ("_must_mb", "MB"), ("_cross_vs_must", "x ref"))},
-    params={"rows": 8_000_000, "partitions": 32, "ops": "shuffle,merge,set_index,groupby", "methods": ""},
-    quick={"rows": 200_000, "partitions": 8, "ops": "shuffle,set_index"},
+    params={"rows": 8_000_000, "partitions": 32, "ops": "shuffle,merge,set_index,groupby", "methods": "",
+            "rounds": 3},
+    quick={"rows": 200_000, "partitions": 8, "ops": "shuffle,set_index", "rounds": 1},
     timeout=2400,
 )
 
@@ -144,14 +145,15 @@ def _df_measure(c: Any, system: str, args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for op in ops.split(","):
         for name, method in methods.items():
-            for _ in range(2):  # the first round untimed
+            times = []
+            for i in range(1 + args["rounds"]):  # the first round untimed
                 before = traffic_of(counted) if counted else (0, 0)
                 t0 = _perf()
                 lines = c.compute(_lines(op, left, right, method, summarize_here)).result()
-                dt = _perf() - t0
+                times.append(_perf() - t0)
                 after = traffic_of(counted) if counted else (0, 0)
                 _check(op, lines, want[op])
-            out[f"{op}_{name}"] = dt
+            out[f"{op}_{name}"] = statistics.median(times[1:])
             if counted:
                 out[f"{op}_{name}_cross_mb"] = (sum(after) - sum(before)) / 1e6
                 if op in ("shuffle", "set_index"):
@@ -363,8 +365,8 @@ def _tree(system: str, leaves: int, delay_ms: float, loss: float) -> dict[str, A
     return _on_hosts(system, "tree", 2, delay_ms, loss, leaves=leaves)
 
 
-def _df(system: str, rows: int, partitions: int, ops: str, methods: str) -> dict[str, Any]:
-    params = {"rows": rows, "partitions": partitions, "ops": ops, "methods": methods}
+def _df(system: str, rows: int, partitions: int, ops: str, methods: str, rounds: int) -> dict[str, Any]:
+    params = {"rows": rows, "partitions": partitions, "ops": ops, "methods": methods, "rounds": rounds}
     out = _on_hosts(system, "df", 2, **params)
     one = _on_hosts(system, "df", 4, worker_hosts=1, **params)
     for key, seconds in one.items():
