@@ -175,10 +175,13 @@ def test_worker_removes_values_fetched_from_a_peer(processes, tmp_path, own_segm
 
 
 _CLUSTER_SCRIPT = """
-import json, os, sys, threading
+import json, os, signal, sys, threading
 import numpy as np
 import shoal
 
+# Ctrl-C as at a terminal, even when the test runs in the background (a shell starts
+# a background job with SIGINT ignored, and Python then leaves it ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 marker, big = sys.argv[1], int(sys.argv[2])
 
 def stuck(x):
