@@ -445,14 +445,18 @@ class TaskTransitions:
 
     def _lost_value(self, ts: TaskState, recs: dict[TaskState, str]) -> None:
         """The last copy of ``ts``'s value is gone: recompute it if anyone needs it;
-        and a locate task in memory that it is an input of runs again (its value says
-        where ``ts`` was)."""
+        and a locate task in memory or running that it is an input of runs again (its
+        value says, or will say, where ``ts`` was)."""
         ts.inline = None
         self._set_state(ts, "released")
         stale: list[TaskState] = []
+        running: list[TaskState] = []
         for dts in sorted(ts.dependents):
             if dts.state == "memory" and dts in self.locating:
                 stale.append(dts)  # (after ts's own fate is decided: it waits for ts)
+            elif dts.state == "processing" and dts in self.locating:
+                # a barrier running: what it returns names where ts was
+                running.append(dts)
             elif dts.state == "waiting":
                 dts.wait_on(ts)
             elif dts.state == "queued":
@@ -464,12 +468,18 @@ class TaskTransitions:
                         dts.wait_on(d)
             # a processing dependent stays: its worker may have the value already, and
             # gives the task back (reschedule) if it cannot get it
-        if ts.waiters or ts.who_wants:
+        if ts.waiters or ts.who_wants or running:
             for client in sorted(ts.who_wants):
                 self._emit(ClientMsg(self._stimulus, client, to_wire(LostKeyMsg(ts.key))))
             recs[ts] = "waiting"
         else:
             recs[ts] = "forgotten"
+        for dts in running:
+            # its worker drops that run (a late report of it is not taken), and it runs
+            # again once ts is made again
+            self._unassign(dts, tell=True)
+            self._set_state(dts, "released")
+            recs.update(self._transition(dts, "waiting"))
         for dts in stale:
             self._relocate(dts, recs)
 

@@ -301,3 +301,32 @@ def test_an_output_finds_its_other_side_through_the_task_after_it():
     s.submit(t("busy", on=right[0]), wanted=["busy"])
     s.finish(s.on("LL"), "LL")
     assert {j: s.on(f"la{j}") for j in range(2)} == right
+
+
+def test_a_split_lost_while_the_barrier_runs_makes_it_run_again():
+    """The barrier's value is where its inputs were when it was sent: if the last
+    holder of one goes while it runs, its worker is told to drop it and it runs again
+    once the split is made again, on where the splits are then; what the first run
+    reports is not taken."""
+    s = Sched()
+    for w in ("w0", "w1", "w2"):
+        s.add_worker(w)
+    tasks = [t("s0", on="w0"), t("s1", on="w1"), t("L", "s0", "s1", locate=True)]
+    tasks += [t(f"a{j}", "L") for j in range(2)]
+    s.submit(*tasks, wanted=["a0", "a1"])
+    s.finish("w0", "s0", nbytes=1000)
+    s.finish("w1", "s1", nbytes=1000)
+    first = s.on("L")
+    lost = "w1" if first != "w1" else "w0"
+    key = "s1" if lost == "w1" else "s0"
+    out = s(RemoveWorkerEvent(s.sid(), lost, True))
+    assert s.states()["L"] == "waiting" and s.ts(key) in s.ts("L").waiting_on
+    assert "L" in set().union(*frees(out).values()), "its worker drops the run that names the lost holder"
+    assert {s.states()[k] for k in ("a0", "a1")} == {"waiting"}
+    s.finish(first, "L")  # the first run's report, late: not taken
+    assert s.states()["L"] == "waiting"
+    out = s.finish(s.on(key), key, nbytes=1000)
+    inst = compute_of(out, "L")
+    assert lost not in {w for holders in inst.who_has.values() for w in holders}
+    s.finish(s.on("L"), "L")
+    assert {s.states()[k] for k in ("a0", "a1")} == {"processing"}
