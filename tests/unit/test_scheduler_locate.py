@@ -160,19 +160,24 @@ def test_more_outputs_than_room_wait_in_the_queue_for_whichever_worker_is_free()
     assert sent.count("w0") == sent.count("w1"), sent
 
 
-def merge_of_two_shuffles(s: Sched) -> None:
-    """Two shuffles of two partitions (splits l0, l1 and r0, r1; barriers LL, LR;
-    assemblies la0, la1 and ra0, ra1) and a merge of each pair of outputs (m0, m1),
-    on workers w0 and w1; every split made, no barrier run yet."""
+def merge_of_two_shuffles(s: Sched, n: int = 2, projected: bool = False) -> None:
+    """Two shuffles of two partitions into ``n`` (splits l0, l1 and r0, r1; barriers
+    LL, LR; outputs la0.. and ra0..) and a merge of each pair of outputs (m0..), on
+    workers w0 and w1; every split made, no barrier run yet. ``projected``: a task of
+    one input after each output (pl0.., pr0..), which the merges join, as dask's
+    planner drops the column of output numbers."""
     for w in ("w0", "w1"):
         s.add_worker(w)
     tasks = []
     for side in ("l", "r"):
         tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
         tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
-        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(2)]
-    tasks += [t(f"m{j}", f"la{j}", f"ra{j}") for j in range(2)]
-    s.submit(*tasks, wanted=["m0", "m1"])
+        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(n)]
+        if projected:
+            tasks += [t(f"p{side}{j}", f"{side}a{j}") for j in range(n)]
+    above = "p{}{}" if projected else "{}a{}"
+    tasks += [t(f"m{j}", above.format("l", j), above.format("r", j)) for j in range(n)]
+    s.submit(*tasks, wanted=[f"m{j}" for j in range(n)])
     for key in ("l0", "l1", "r0", "r1"):
         s.finish(s.on(key), key, nbytes=1000)
 
@@ -211,18 +216,8 @@ def test_outputs_wait_at_their_other_side_past_the_room_of_its_worker():
     workers holding their right outputs, past their room (as a task with a large input
     waits at its holder), never to the other; the rest wait in the queue."""
     s = Sched()
-    for w in ("w0", "w1"):
-        s.add_worker(w)
     n = 40
-    tasks = []
-    for side in ("l", "r"):
-        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
-        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
-        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(n)]
-    tasks += [t(f"m{j}", f"la{j}", f"ra{j}") for j in range(n)]
-    s.submit(*tasks, wanted=[f"m{j}" for j in range(n)])
-    for key in ("l0", "l1", "r0", "r1"):
-        s.finish(s.on(key), key, nbytes=1000)
+    merge_of_two_shuffles(s, n)
     s.finish(s.on("LR"), "LR")
     held: dict[int, str] = {}
     while len(held) < n:  # the right side's outputs, as workers free threads
@@ -245,21 +240,8 @@ def test_a_queued_output_takes_its_queued_other_side_along(projected):
     also when a task of one input follows each (dask's planner drops the column of
     output numbers so) and the merge joins those."""
     s = Sched()
-    for w in ("w0", "w1"):
-        s.add_worker(w)
     n = 40
-    tasks = []
-    for side in ("l", "r"):
-        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
-        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
-        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(n)]
-        if projected:
-            tasks += [t(f"p{side}{j}", f"{side}a{j}") for j in range(n)]
-    above = "p{}{}" if projected else "{}a{}"
-    tasks += [t(f"m{j}", above.format("l", j), above.format("r", j)) for j in range(n)]
-    s.submit(*tasks, wanted=[f"m{j}" for j in range(n)])
-    for key in ("l0", "l1", "r0", "r1"):
-        s.finish(s.on(key), key, nbytes=1000)
+    merge_of_two_shuffles(s, n, projected)
     s.finish(s.on("LR"), "LR")
     s.finish(s.on("LL"), "LL")
     where: dict[str, str] = {}
@@ -280,18 +262,7 @@ def test_an_output_finds_its_other_side_through_the_task_after_it():
     """Output j of the right side done, and the task after it (one input) done on the
     same worker: output j of the left side goes there."""
     s = Sched()
-    for w in ("w0", "w1"):
-        s.add_worker(w)
-    tasks = []
-    for side in ("l", "r"):
-        tasks += [t(f"{side}{i}", on=f"w{i}") for i in range(2)]
-        tasks += [t(f"L{side.upper()}", f"{side}0", f"{side}1", locate=True)]
-        tasks += [t(f"{side}a{j}", f"L{side.upper()}") for j in range(2)]
-        tasks += [t(f"p{side}{j}", f"{side}a{j}") for j in range(2)]
-    tasks += [t(f"m{j}", f"pl{j}", f"pr{j}") for j in range(2)]
-    s.submit(*tasks, wanted=["m0", "m1"])
-    for key in ("l0", "l1", "r0", "r1"):
-        s.finish(s.on(key), key, nbytes=1000)
+    merge_of_two_shuffles(s, projected=True)
     s.finish(s.on("LR"), "LR")
     right = {j: s.on(f"ra{j}") for j in range(2)}
     for j in range(2):
