@@ -131,7 +131,7 @@ def _df_measure(c: Any, system: str, args: dict[str, Any]) -> dict[str, Any]:
 
     from shoal.testhosts import traffic_of
 
-    from .dataframes import _check, _expected, _lines
+    from .dataframes import _check, _chosen, _expected, _lines
 
     rows, partitions, ops = args["rows"], args["partitions"], args["ops"]
     per, keys = rows // partitions, max(1, rows // 4)
@@ -139,8 +139,7 @@ def _df_measure(c: Any, system: str, args: dict[str, Any]) -> dict[str, Any]:
     right = dd.from_map(make_part_here, range(max(1, partitions // 4)), rows=per, keys=keys, seed=2)
     right = right.rename(columns={"g": "g2", "v": "w", "h": "h2"})
     want = _expected(rows, partitions, ops)
-    wanted = [m for m in args["methods"].split(",") if m]
-    methods = {n: m for n, m in _DF_METHODS[system].items() if not wanted or n in wanted}
+    methods = _chosen(_DF_METHODS[system], args["methods"])
     counted = args.get("count_in")
     out: dict[str, Any] = {}
     for op in ops.split(","):

@@ -406,40 +406,40 @@ class SegmentRegistry:
 
     def drain_pool(self) -> None:
         """Unlink every pooled segment."""
-        self._unlink_pooled(lambda at: True)
+        self._unlink_pooled(list)
 
     def trim_pool(self, max_idle: float) -> int:
         """Unlink the pooled segments that no value reused for ``max_idle`` seconds;
         returns how many went."""
         now = self.clock()
-        return self._unlink_pooled(lambda at: now - at >= max_idle)
+        return len(self._unlink_pooled(lambda pool: [n for n, (_, at) in pool.items() if now - at >= max_idle]))
 
-    def _make_room(self, size: int) -> int:
+    def _make_room(self, size: int) -> None:
         """``size`` bytes are about to be taken elsewhere because no pooled segment
         fits: unlink pooled segments, the longest retired first, until ``size`` bytes of
         them went (or the pool is empty), so that the pool never makes the process
-        larger than the most it held. Returns the bytes unlinked."""
-        with self._lock:
+        larger than the most it held."""
+        def oldest(pool: dict[str, tuple[int, float]]) -> list[str]:
             names, freed = [], 0
-            for name, (bytes_, _) in sorted(self._pool.items(), key=lambda item: item[1][1]):
+            for name, (nbytes, _) in sorted(pool.items(), key=lambda item: item[1][1]):
                 if freed >= size:
                     break
                 names.append(name)
-                freed += bytes_
-            for name in names:
-                self._pool_bytes -= self._pool.pop(name)[0]
-        for name in names:
-            self.unlink(name)
-        return freed
+                freed += nbytes
+            return names
 
-    def _unlink_pooled(self, which: Callable[[float], bool]) -> int:
+        self._unlink_pooled(oldest)
+
+    def _unlink_pooled(self, which: Callable[[dict[str, tuple[int, float]]], list[str]]) -> list[str]:
+        """Unlink the pooled segments ``which`` picks from the pool (name -> size, when
+        retired; called under the lock); returns their names."""
         with self._lock:
-            names = [n for n, (_, at) in self._pool.items() if which(at)]
+            names = which(self._pool)
             for name in names:
                 self._pool_bytes -= self._pool.pop(name)[0]
         for name in names:
             self.unlink(name)
-        return len(names)
+        return names
 
     # --------------------------------------------------------------- born arrays
 

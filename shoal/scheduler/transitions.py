@@ -475,11 +475,12 @@ class TaskTransitions:
         else:
             recs[ts] = "forgotten"
         for dts in running:
-            # its worker drops that run (a late report of it is not taken), and it runs
-            # again once ts is made again
-            self._unassign(dts, tell=True)
-            self._set_state(dts, "released")
+            # it runs again once ts is made again, and its worker drops this run (a
+            # late report of it is not taken)
+            ws = dts.processing_on
+            assert ws is not None
             recs.update(self._transition(dts, "waiting"))
+            self._emit(FreeKeys(self._stimulus, ws.address, [dts.key]))
         for dts in stale:
             self._relocate(dts, recs)
 

@@ -439,14 +439,24 @@ def output_numbers(df: Any, on: Any, npartitions: int) -> Any:
     ``npartitions``."""
     import numpy as np
 
-    columns = [on] if isinstance(on, str) else list(on or [])
-    if columns and columns[0] == "_partitions":
+    columns = _columns(on)
+    if _by_numbers(columns):
         numbers = df["_partitions"]
     else:
         from dask.dataframe.dispatch import hash_object_dispatch
 
         numbers = hash_object_dispatch(df[columns] if columns else df, index=False) % npartitions
     return np.asarray(numbers).astype(np.int64, copy=False)
+
+
+def _columns(on: Any) -> list[Any]:
+    """The columns a shuffle ``on`` routes rows by (none: the whole frame or series)."""
+    return [on] if isinstance(on, str) else list(on or [])
+
+
+def _by_numbers(columns: list[Any]) -> bool:
+    """Whether rows are routed by dask's column of output numbers ``"_partitions"``."""
+    return columns[:1] == ["_partitions"]
 
 
 def split(df: Any, on: Any, npartitions: int) -> Split:
@@ -456,7 +466,6 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     import numpy as np
 
     parts = output_numbers(df, on, npartitions)
-    columns = [on] if isinstance(on, str) else list(on or [])
     if len(parts) and (parts.min() < 0 or parts.max() >= npartitions):
         raise ShuffleError(f"a row's output partition ({parts.min()}..{parts.max()}) is outside 0..{npartitions - 1}")
     # (numbers of 8 or 16 bits sort by radix: 5x faster than as 64-bit numbers)
@@ -466,7 +475,7 @@ def split(df: Any, on: Any, npartitions: int) -> Split:
     # where the output number changes: each output's first row, and the end
     changes = np.flatnonzero(np.diff(ordered)) + 1 if len(ordered) else np.zeros(0, dtype=np.int64)
     nout = len(changes) + 1 if len(ordered) else 0
-    form, arrays = _arrays(df, numbered=columns[:1] == ["_partitions"])
+    form, arrays = _arrays(df, numbered=_by_numbers(_columns(on)))
     # the whole value in one buffer (see _result_arrays), its rows in the new order
     outputs, starts, *out = _result_arrays([np.dtype(np.int64)] * 2 + [a.dtype for a in arrays],
                                            [nout, nout + 1] + [len(parts)] * len(arrays))
